@@ -1,0 +1,162 @@
+// The one definition of every vllm-kvq cache format's byte layout.
+//
+// vLLM hands each attention layer a byte tensor [num_blocks, num_kv_heads, block_size, C]
+// (layout LBHNC). For one (block, kv_head) the B*C bytes form a "plane" that we lay out
+// freely: the K region, then the V region, each made of fields. A format is two codecs
+// (one for K, one for V); kvq_make_layout turns them into byte offsets. Python (page size,
+// memory reports, the PyTorch reference), the C++ CPU kernels and the CUDA kernels all read
+// offsets from here, so they cannot disagree.
+//
+// Plain C: no framework types, usable from C++, CUDA host and device code.
+#pragma once
+#include <stdint.h>
+
+#if defined(__CUDACC__)
+#define KVQ_HD __host__ __device__ __forceinline__
+#else
+#define KVQ_HD inline
+#endif
+
+namespace kvq {
+
+// How a single stored value is encoded.
+enum Encoding : int32_t {
+  ENC_FP16 = 0,      // unquantized baseline, 16 bits
+  ENC_BF16 = 1,      // unquantized baseline, 16 bits
+  ENC_FP8_E4M3 = 2,  // 8 bits, x = fp8 * scale
+  ENC_FP8_E5M2 = 3,  // 8 bits, x = fp8 * scale
+  ENC_INT = 4,       // b-bit unsigned code; x = code * scale + zero (asym) or (code - 2^(b-1)) * scale
+  ENC_NUQ = 5,       // b-bit index into a per-layer codebook; x = level[code] * scale + zero
+};
+
+// Which values share one scale (and zero-point).
+enum Granularity : int32_t {
+  GRAN_NONE = 0,     // float baseline: nothing
+  GRAN_TENSOR = 1,   // one static scale per layer: a kernel argument, not stored
+  GRAN_HEAD = 2,     // one static scale per kv head: a kernel argument, not stored
+  GRAN_TOKEN = 3,    // one per token (whole head vector), computed on write
+  GRAN_GROUP = 4,    // one per token per `group` consecutive channels, computed on write
+  GRAN_CHANNEL = 5,  // one per channel per `group` consecutive tokens (KIVI keys)
+};
+
+// A codec is what Python passes to every op as int[6], in this order.
+struct Codec {
+  int32_t encoding;
+  int32_t bits;         // bits per stored value: 16, 8, 4, 3, 2
+  int32_t granularity;
+  int32_t group;        // GROUP: channels per scale; CHANNEL: tokens per scale; else 0
+  int32_t symmetric;    // 1: no zero-point stored (INT codes are offset by 2^(bits-1))
+  int32_t outliers;     // sparse outlier slots per token per kv head, 0 = none
+};
+constexpr int kCodecInts = 6;
+
+// A sparse outlier: stored exactly, removed from the dense range. channel == kNoOutlier
+// marks an empty slot. 4 bytes keeps fp16 loads aligned on every target.
+struct Outlier {
+  uint16_t channel;
+  uint16_t value_fp16;  // IEEE half bits
+};
+static_assert(sizeof(Outlier) == 4, "Outlier must stay 4 bytes");
+constexpr uint16_t kNoOutlier = 0xFFFF;
+
+// Scales and zero-points are IEEE fp16 (like ggml's block_q4_1 d/m).
+constexpr int32_t kScaleBytes = 2;
+// Every field starts on this boundary (vector loads on CPU and GPU); the gaps are padding
+// and are counted in the page size like any other byte.
+constexpr int32_t kFieldAlign = 16;
+
+// Byte offsets of one tensor's (K's or V's) fields inside a plane.
+struct Region {
+  int32_t data_off, data_bytes;        // block_size rows of row_bytes packed codes
+  int32_t row_bytes;                   // ceil(head_dim * bits / 8)
+  int32_t scale_off, scale_bytes;      // scale_rows x scale_cols fp16
+  int32_t zero_off, zero_bytes;        // same shape as scales, or 0 bytes when symmetric
+  int32_t scale_rows, scale_cols;      // TOKEN: B x 1, GROUP: B x D/g, CHANNEL: B/G x D
+  int32_t outlier_off, outlier_bytes;  // block_size x outliers Outlier structs
+  int32_t end;                         // first byte after this region (aligned)
+};
+
+struct Layout {
+  Region k, v;
+  int32_t head_dim, block_size;
+  int32_t used_bytes;    // bytes of all fields incl. alignment gaps inside the plane
+  int32_t token_bytes;   // C: bytes per token per kv head, K and V together (what vLLM sees)
+  int32_t plane_bytes;   // block_size * token_bytes: one (block, kv_head) plane
+  int32_t padding;       // plane_bytes - sum of field bytes: alignment gaps + rounding to C
+};
+
+KVQ_HD int32_t align_up(int32_t x, int32_t a) { return (x + a - 1) / a * a; }
+
+KVQ_HD bool has_stored_scale(const Codec& c) {
+  return c.granularity == GRAN_TOKEN || c.granularity == GRAN_GROUP ||
+         c.granularity == GRAN_CHANNEL;
+}
+KVQ_HD bool has_stored_zero(const Codec& c) {
+  return has_stored_scale(c) && !c.symmetric &&
+         (c.encoding == ENC_INT || c.encoding == ENC_NUQ);
+}
+
+// Index of the scale (and zero) that covers value (token t, channel d) of a block.
+KVQ_HD int32_t scale_index(const Codec& c, int32_t head_dim, int32_t t, int32_t d) {
+  switch (c.granularity) {
+    case GRAN_TOKEN: return t;
+    case GRAN_GROUP: return t * (head_dim / c.group) + d / c.group;
+    case GRAN_CHANNEL: return (t / c.group) * head_dim + d;
+    default: return 0;
+  }
+}
+
+KVQ_HD Region make_region(const Codec& c, int32_t head_dim, int32_t block_size, int32_t off) {
+  Region r{};
+  r.row_bytes = (head_dim * c.bits + 7) / 8;
+  r.data_off = off;
+  r.data_bytes = block_size * r.row_bytes;
+  off = align_up(off + r.data_bytes, kFieldAlign);
+  r.scale_rows = 0;
+  r.scale_cols = 0;
+  switch (c.granularity) {
+    case GRAN_TOKEN: r.scale_rows = block_size; r.scale_cols = 1; break;
+    case GRAN_GROUP: r.scale_rows = block_size; r.scale_cols = head_dim / c.group; break;
+    case GRAN_CHANNEL: r.scale_rows = block_size / c.group; r.scale_cols = head_dim; break;
+    default: break;
+  }
+  r.scale_off = off;
+  r.scale_bytes = r.scale_rows * r.scale_cols * kScaleBytes;
+  off = align_up(off + r.scale_bytes, kFieldAlign);
+  r.zero_off = off;
+  r.zero_bytes = has_stored_zero(c) ? r.scale_bytes : 0;
+  off = align_up(off + r.zero_bytes, kFieldAlign);
+  r.outlier_off = off;
+  r.outlier_bytes = block_size * c.outliers * (int32_t)sizeof(Outlier);
+  off = align_up(off + r.outlier_bytes, kFieldAlign);
+  r.end = off;
+  return r;
+}
+
+// The layout of one (block, kv_head) plane. Validation (group divides head_dim, ...) is
+// done by the callers' argument checks before this is used.
+KVQ_HD Layout make_layout(const Codec& kc, const Codec& vc, int32_t head_dim,
+                          int32_t block_size) {
+  Layout l{};
+  l.head_dim = head_dim;
+  l.block_size = block_size;
+  l.k = make_region(kc, head_dim, block_size, 0);
+  l.v = make_region(vc, head_dim, block_size, l.k.end);
+  l.used_bytes = l.v.end;
+  l.token_bytes = (l.used_bytes + block_size - 1) / block_size;
+  l.plane_bytes = l.token_bytes * block_size;
+  const int32_t fields = l.k.data_bytes + l.k.scale_bytes + l.k.zero_bytes +
+                         l.k.outlier_bytes + l.v.data_bytes + l.v.scale_bytes +
+                         l.v.zero_bytes + l.v.outlier_bytes;
+  l.padding = l.plane_bytes - fields;
+  return l;
+}
+
+// Full-precision residual window (recent tokens), kept outside vLLM's pages, per running
+// sequence per layer: K and V of up to `residual_tokens` tokens per kv head.
+KVQ_HD int64_t residual_bytes_per_seq_layer(int32_t num_kv_heads, int32_t head_dim,
+                                            int32_t residual_tokens, int32_t elem_bytes) {
+  return (int64_t)2 * num_kv_heads * residual_tokens * head_dim * elem_bytes;
+}
+
+}  // namespace kvq

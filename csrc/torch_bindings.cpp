@@ -1,0 +1,91 @@
+// Every op of vllm_kvq, registered once (torch.ops.vllm_kvq.*). CPU and CUDA share names
+// and schemas; the Python wrappers are in vllm_kvq/ops.py.
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include "cpu/cpu_ops.h"
+#include "kvq_layout.h"
+
+#ifdef KVQ_WITH_CUDA
+#include "cuda/cuda_ops.h"
+#endif
+
+namespace {
+
+kvq::Codec to_codec(const std::vector<int64_t>& v) {
+  TORCH_CHECK(v.size() == kvq::kCodecInts, "codec must have ", kvq::kCodecInts, " ints");
+  return kvq::Codec{(int32_t)v[0], (int32_t)v[1], (int32_t)v[2],
+                    (int32_t)v[3], (int32_t)v[4], (int32_t)v[5]};
+}
+
+py::dict region_dict(const kvq::Region& r) {
+  py::dict d;
+  d["data_off"] = r.data_off; d["data_bytes"] = r.data_bytes; d["row_bytes"] = r.row_bytes;
+  d["scale_off"] = r.scale_off; d["scale_bytes"] = r.scale_bytes;
+  d["zero_off"] = r.zero_off; d["zero_bytes"] = r.zero_bytes;
+  d["scale_rows"] = r.scale_rows; d["scale_cols"] = r.scale_cols;
+  d["outlier_off"] = r.outlier_off; d["outlier_bytes"] = r.outlier_bytes; d["end"] = r.end;
+  return d;
+}
+
+// The layout of kvq_layout.h, for Python (page sizes, reports, the reference).
+py::dict make_layout(const std::vector<int64_t>& k, const std::vector<int64_t>& v,
+                     int64_t head_dim, int64_t block_size) {
+  const kvq::Layout l = kvq::make_layout(to_codec(k), to_codec(v), (int32_t)head_dim,
+                                         (int32_t)block_size);
+  py::dict d;
+  d["k"] = region_dict(l.k); d["v"] = region_dict(l.v);
+  d["head_dim"] = l.head_dim; d["block_size"] = l.block_size;
+  d["used_bytes"] = l.used_bytes; d["token_bytes"] = l.token_bytes;
+  d["plane_bytes"] = l.plane_bytes; d["padding"] = l.padding;
+  return d;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("make_layout", &make_layout, "byte layout of one (block, kv_head) plane");
+  m.def("residual_bytes_per_seq_layer", &kvq::residual_bytes_per_seq_layer);
+  m.def("simd_path", &kvq_cpu::simd_path);
+#ifdef KVQ_WITH_CUDA
+  m.attr("with_cuda") = true;
+#else
+  m.attr("with_cuda") = false;
+#endif
+}
+
+TORCH_LIBRARY(vllm_kvq, ops) {
+  ops.def(
+      "write_cache(Tensor key, Tensor value, Tensor(a!) cache, Tensor slot_mapping, "
+      "int[] k_codec, int[] v_codec, Tensor k_scale, Tensor v_scale) -> ()");
+  ops.def(
+      "paged_attention(Tensor(a!) out, Tensor query, Tensor cache, Tensor block_table, "
+      "Tensor seq_lens, Tensor query_start_loc, Tensor staging_k, Tensor staging_v, "
+      "Tensor staging_start_loc, Tensor staging_pos0, int residual_chunk, "
+      "float softmax_scale, int[] k_codec, int[] v_codec, Tensor k_scale, "
+      "Tensor v_scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(vllm_kvq, CPU, ops) {
+  ops.impl("write_cache", [](const at::Tensor& key, const at::Tensor& value, at::Tensor cache,
+                             const at::Tensor& slots, c10::IntArrayRef kc, c10::IntArrayRef vc,
+                             const at::Tensor& ks, const at::Tensor& vs) {
+    kvq_cpu::write_cache(key, value, cache, slots, kc.vec(), vc.vec(), ks, vs);
+  });
+  ops.impl("paged_attention",
+           [](at::Tensor out, const at::Tensor& q, const at::Tensor& cache,
+              const at::Tensor& bt, const at::Tensor& sl, const at::Tensor& qsl,
+              const at::Tensor& sk, const at::Tensor& sv, const at::Tensor& ssl,
+              const at::Tensor& sp0, int64_t r, double scale, c10::IntArrayRef kc,
+              c10::IntArrayRef vc, const at::Tensor& ks, const at::Tensor& vs) {
+             kvq_cpu::paged_attention(out, q, cache, bt, sl, qsl, sk, sv, ssl, sp0, r, scale,
+                                      kc.vec(), vc.vec(), ks, vs);
+           });
+}
+
+#ifdef KVQ_WITH_CUDA
+TORCH_LIBRARY_IMPL(vllm_kvq, CUDA, ops) {
+  ops.impl("write_cache", &kvq_cuda::write_cache);
+  ops.impl("paged_attention", &kvq_cuda::paged_attention);
+}
+#endif

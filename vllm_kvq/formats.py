@@ -1,0 +1,270 @@
+"""Cache formats: what a user names, validated, and its byte accounting.
+
+A format is a codec for keys, a codec for values and a full-precision residual window.
+The byte layout of a page is NOT computed here: it comes from csrc/kvq_layout.h through
+the compiled extension (`layout()`), the one definition shared with the kernels.
+
+Names (`parse_format`):
+  bf16, fp16                         unquantized baseline
+  fp8_e4m3, fp8_e5m2                 static per-tensor scale (1.0 unless given)
+  fp8_e4m3_head                      static scale per kv head
+  fp8_e4m3_token                     dynamic scale per token-head
+  int{8,4,3,2}_token                 scale+zero per token-head
+  int{8,4,3,2}_group{g}              scale+zero per g channels of a token
+  int{8,4,3,2}_channel{G}            scale+zero per channel over G tokens (keys and values)
+  int{8,4,3,2}_tensor                static symmetric scale (k_scale/v_scale required)
+  kivi{2,4}                          keys per channel over 32 tokens, values per 32 channels
+  suffixes: _sym (symmetric), _r{R} (R recent tokens in full precision),
+            kivi also takes _k{G} (key token group) and _g{g} (value channel group)
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+import torch  # noqa: F401  -- loads libc10 before the extension vllm_kvq._C
+
+ENCODINGS = {"fp16": 0, "bf16": 1, "fp8_e4m3": 2, "fp8_e5m2": 3, "int": 4, "nuq": 5}
+GRANULARITIES = {"none": 0, "tensor": 1, "head": 2, "token": 3, "group": 4, "channel": 5}
+INT_BITS = (2, 3, 4, 8)
+NUQ_BITS = (2, 3, 4)
+CHANNEL_GROUPS = (16, 32, 64, 128)
+SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)
+KIVI_DEFAULT_GROUP = 32
+KIVI_DEFAULT_RESIDUAL = 128
+
+
+class FormatError(ValueError):
+    """A format name or parameter that is not allowed; the message says what is."""
+
+
+def _allowed(what: str, value, allowed) -> FormatError:
+    return FormatError(f"{what}={value!r} is not allowed; allowed: {', '.join(map(str, allowed))}")
+
+
+@dataclass(frozen=True)
+class Codec:
+    """How one tensor (keys or values) is stored. Mirrors kvq::Codec."""
+
+    encoding: str
+    bits: int
+    granularity: str = "none"
+    group: int = 0
+    symmetric: bool = False
+    outliers: int = 0
+
+    def __post_init__(self):
+        if self.encoding not in ENCODINGS:
+            raise _allowed("encoding", self.encoding, ENCODINGS)
+        if self.granularity not in GRANULARITIES:
+            raise _allowed("granularity", self.granularity, GRANULARITIES)
+        if self.encoding in ("fp16", "bf16"):
+            if self.bits != 16 or self.granularity != "none":
+                raise FormatError(f"{self.encoding} stores 16 bits with no scale")
+        elif self.encoding.startswith("fp8"):
+            if self.bits != 8:
+                raise FormatError(f"{self.encoding} stores 8 bits, not {self.bits}")
+            if self.granularity not in ("tensor", "head", "token"):
+                raise _allowed(f"{self.encoding} granularity", self.granularity,
+                               ("tensor", "head", "token"))
+        elif self.encoding == "int":
+            if self.bits not in INT_BITS:
+                raise _allowed("bits", self.bits, INT_BITS)
+            if self.granularity == "none":
+                raise FormatError("int needs a granularity: tensor, head, token, group or channel")
+        elif self.encoding == "nuq":
+            if self.bits not in NUQ_BITS:
+                raise _allowed("nuq bits", self.bits, NUQ_BITS)
+        if self.granularity in ("group", "channel"):
+            if self.group not in CHANNEL_GROUPS:
+                raise _allowed(f"{self.granularity} group size", self.group, CHANNEL_GROUPS)
+        elif self.group:
+            raise FormatError(f"group={self.group} only applies to group/channel granularity")
+        if self.granularity in ("tensor", "head") and self.encoding == "int" and not self.symmetric:
+            raise FormatError("static (tensor/head) integer scales are symmetric: add _sym")
+        if self.outliers < 0 or self.outliers > 64:
+            raise FormatError(f"outliers={self.outliers} per token is not allowed; allowed: 0..64")
+
+    def check_shape(self, head_dim: int, block_size: int) -> None:
+        if self.granularity == "group" and head_dim % self.group:
+            raise FormatError(
+                f"group size {self.group} does not divide head_dim {head_dim}; "
+                f"allowed: {[g for g in CHANNEL_GROUPS if head_dim % g == 0]}")
+        if self.granularity == "channel" and block_size % self.group:
+            raise FormatError(
+                f"token group {self.group} does not divide block_size {block_size}; "
+                f"allowed: {[g for g in CHANNEL_GROUPS if block_size % g == 0]}")
+
+    @property
+    def is_float(self) -> bool:
+        return self.encoding in ("fp16", "bf16")
+
+    @property
+    def static_scale(self) -> bool:
+        return self.granularity in ("tensor", "head")
+
+    def as_ints(self) -> list[int]:
+        """The int[6] every op takes (kvq::Codec field order)."""
+        return [ENCODINGS[self.encoding], self.bits, GRANULARITIES[self.granularity],
+                self.group, int(self.symmetric), self.outliers]
+
+    def describe(self) -> str:
+        if self.is_float:
+            return self.encoding
+        s = f"{self.encoding}{self.bits}" if self.encoding in ("int", "nuq") else self.encoding
+        s += f"/{self.granularity}" + (str(self.group) if self.group else "")
+        if self.symmetric:
+            s += "/sym"
+        if self.outliers:
+            s += f"/+{self.outliers}outl"
+        return s
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Byte offsets of one (block, kv_head) plane, as computed by kvq_layout.h."""
+
+    head_dim: int
+    block_size: int
+    token_bytes: int       # C: bytes per token per kv head, K+V, incl. scales and padding
+    plane_bytes: int       # block_size * token_bytes
+    used_bytes: int
+    padding: int
+    k: dict
+    v: dict
+
+    def fields(self) -> dict[str, int]:
+        """Every field's size in bytes; they plus `padding` add up to `plane_bytes`."""
+        out = {}
+        for side in ("k", "v"):
+            r = getattr(self, side)
+            for f in ("data", "scale", "zero", "outlier"):
+                out[f"{side}_{f}"] = r[f"{f}_bytes"]
+        return out
+
+
+@dataclass(frozen=True)
+class KVFormat:
+    name: str
+    key: Codec
+    value: Codec
+    residual_tokens: int = 0
+
+    def __post_init__(self):
+        if self.residual_tokens < 0:
+            raise FormatError(f"residual_tokens={self.residual_tokens} must be >= 0")
+        for c in (self.key, self.value):
+            if c.granularity == "channel" and (self.residual_tokens == 0
+                                               or self.residual_tokens % c.group):
+                raise FormatError(
+                    f"per-channel groups of {c.group} tokens need residual_tokens to be a "
+                    f"positive multiple of {c.group} (the group is incomplete until then); "
+                    f"got residual_tokens={self.residual_tokens}")
+
+    @property
+    def residual_chunk(self) -> int:
+        """Tokens are quantized in aligned chunks of this many (1 = on write)."""
+        return max(self.residual_tokens, 1)
+
+    @property
+    def is_baseline(self) -> bool:
+        return self.key.is_float and self.value.is_float and self.residual_tokens == 0
+
+    def check(self, head_dim: int, block_size: int) -> None:
+        if head_dim not in SUPPORTED_HEAD_SIZES:
+            raise _allowed("head_dim", head_dim, SUPPORTED_HEAD_SIZES)
+        if block_size < 1 or block_size % 16:
+            raise FormatError(f"block_size={block_size} is not allowed; allowed: multiples of 16")
+        self.key.check_shape(head_dim, block_size)
+        self.value.check_shape(head_dim, block_size)
+        if block_size % self.residual_chunk:
+            raise FormatError(
+                f"residual_tokens={self.residual_tokens} must divide block_size={block_size} "
+                f"(the window is quantized in block-aligned chunks); use --block-size a "
+                f"multiple of {self.residual_tokens}")
+
+    def layout(self, head_dim: int, block_size: int) -> Layout:
+        self.check(head_dim, block_size)
+        from vllm_kvq import _C
+        d = _C.make_layout(self.key.as_ints(), self.value.as_ints(), head_dim, block_size)
+        return Layout(head_dim=head_dim, block_size=block_size, token_bytes=d["token_bytes"],
+                      plane_bytes=d["plane_bytes"], used_bytes=d["used_bytes"],
+                      padding=d["padding"], k=d["k"], v=d["v"])
+
+    # --- accounting -------------------------------------------------------------------
+    def bytes_per_token(self, head_dim: int, block_size: int) -> dict[str, float]:
+        """Per token per kv head; K and V each with their scales, zeros, outliers."""
+        lay = self.layout(head_dim, block_size)
+        per = {}
+        for side in ("k", "v"):
+            r = getattr(lay, side)
+            per[side] = sum(r[f"{f}_bytes"] for f in ("data", "scale", "zero", "outlier")) \
+                / block_size
+        per["padding"] = lay.padding / block_size
+        per["total"] = lay.token_bytes
+        return per
+
+    def bits_per_value(self, head_dim: int, block_size: int) -> float:
+        """Page bits per cached K or V value, scales and padding included."""
+        return self.layout(head_dim, block_size).token_bytes * 8 / (2 * head_dim)
+
+    def ratio_vs_bf16(self, head_dim: int, block_size: int) -> float:
+        return 4 * head_dim / self.layout(head_dim, block_size).token_bytes
+
+    def residual_bytes_per_seq(self, num_layers: int, num_kv_heads: int, head_dim: int,
+                               elem_bytes: int = 2) -> int:
+        """Full-precision window memory, per running sequence (outside vLLM's pages)."""
+        from vllm_kvq import _C
+        return num_layers * _C.residual_bytes_per_seq_layer(
+            num_kv_heads, head_dim, self.residual_tokens, elem_bytes)
+
+    def with_residual(self, residual_tokens: int) -> "KVFormat":
+        name = re.sub(r"_r\d+$", "", self.name)
+        return dataclasses.replace(self, name=f"{name}_r{residual_tokens}" if residual_tokens
+                                   else name, residual_tokens=residual_tokens)
+
+
+# --- names ------------------------------------------------------------------------------
+_INT_RE = re.compile(r"^int(?P<bits>\d+)_(?P<gran>tensor|head|token|group(?P<g>\d+)|"
+                     r"channel(?P<G>\d+))(?P<sym>_sym)?(?:_r(?P<r>\d+))?$")
+_FP8_RE = re.compile(r"^(?P<enc>fp8_e4m3|fp8_e5m2)(?:_(?P<gran>tensor|head|token))?"
+                     r"(?:_r(?P<r>\d+))?$")
+_KIVI_RE = re.compile(r"^kivi(?P<bits>\d+)(?:_k(?P<G>\d+))?(?:_g(?P<g>\d+))?(?:_r(?P<r>\d+))?$")
+_FLOAT_RE = re.compile(r"^(?P<enc>bf16|fp16)(?:_r(?P<r>\d+))?$")
+
+EXAMPLE_NAMES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_token", "int8_token",
+                 "int8_group32", "int4_token", "int4_group32", "int4_group32_r128",
+                 "int2_group32", "int2_group32_r128", "int8_channel32_r128", "kivi4", "kivi2")
+
+
+def _int(m, key, default=0):
+    v = m.group(key)
+    return int(v) if v is not None else default
+
+
+def parse_format(name: str) -> KVFormat:
+    """A format from its name; raises FormatError naming what is allowed."""
+    if not isinstance(name, str):
+        raise FormatError(f"format name must be a string, got {name!r}")
+    if m := _FLOAT_RE.match(name):
+        c = Codec(m["enc"], 16)
+        return KVFormat(name, c, c, _int(m, "r"))
+    if m := _FP8_RE.match(name):
+        c = Codec(m["enc"], 8, m["gran"] or "tensor")
+        return KVFormat(name, c, c, _int(m, "r"))
+    if m := _INT_RE.match(name):
+        gran = re.sub(r"\d+$", "", m["gran"])
+        c = Codec("int", int(m["bits"]), gran, _int(m, "g") or _int(m, "G"), bool(m["sym"]))
+        return KVFormat(name, c, c, _int(m, "r"))
+    if m := _KIVI_RE.match(name):
+        bits = int(m["bits"])
+        if bits not in (2, 4):
+            raise _allowed("kivi bits", bits, (2, 4))
+        k = Codec("int", bits, "channel", _int(m, "G", KIVI_DEFAULT_GROUP))
+        v = Codec("int", bits, "group", _int(m, "g", KIVI_DEFAULT_GROUP))
+        return KVFormat(name, k, v, _int(m, "r", KIVI_DEFAULT_RESIDUAL))
+    raise FormatError(
+        f"unknown format {name!r}; allowed: bf16, fp16, fp8_e4m3[_tensor|_head|_token], "
+        f"fp8_e5m2[...], int{{8,4,3,2}}_{{tensor_sym|head_sym|token|group<g>|channel<G>}}"
+        f"[_sym][_r<R>], kivi{{2,4}}[_k<G>][_g<g>][_r<R>] — e.g. {', '.join(EXAMPLE_NAMES)}")
