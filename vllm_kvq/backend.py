@@ -1,0 +1,220 @@
+"""The vLLM attention backend that serves from a quantized KV cache.
+
+One file, as vLLM's own backends: Backend (capabilities as class data), Metadata, Builder,
+Impl. Registered as AttentionBackendEnum.CUSTOM by vllm_kvq.plugin; selected with
+`--attention-backend CUSTOM --additional-config '{"kvq": {"method": "kivi2"}}'`.
+
+- Page size: `customize_spec` turns the layer's spec into a uint8 page of C bytes per token
+  per kv head, C taken from the format layout (csrc/kvq_layout.h), so vLLM's own block
+  manager hands out more blocks at the same KV budget.
+- Writes: quantize-on-write in `forward` (forward_includes_kv_cache_update), because the
+  residual window needs the step's metadata. With a residual window, tokens are quantized
+  in aligned chunks; the recent ones live in a per-layer full-precision pool whose slots
+  vllm_kvq.residual assigns.
+- Reads: one kernel call per layer for the whole mixed batch (vllm_kvq.ops).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionLayer,
+                                       AttentionMetadataBuilder, AttentionType,
+                                       CommonAttentionMetadata, MultipleOf)
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from vllm_kvq import ops
+from vllm_kvq.config import KVQConfig, config_from_vllm
+from vllm_kvq.formats import SUPPORTED_HEAD_SIZES
+from vllm_kvq.residual import ResidualSlots, StepPlan, plan_tensors, stage_and_write
+
+# customize_spec runs with no current vLLM config: the impl/builder record the
+# process's configuration here when they are built (one engine per process).
+_ACTIVE: KVQConfig | None = None
+
+
+def active_config(vllm_config: VllmConfig | None = None) -> KVQConfig:
+    global _ACTIVE
+    if vllm_config is not None:
+        _ACTIVE = config_from_vllm(vllm_config)
+    if _ACTIVE is None:
+        _ACTIVE = config_from_vllm(get_current_vllm_config())
+    return _ACTIVE
+
+
+def residual_slot_count(vllm_config: VllmConfig) -> int:
+    # At most max_num_seqs sequences run at once; each holds one slot.
+    return vllm_config.scheduler_config.max_num_seqs
+
+
+class KVQAttentionBackend(AttentionBackend):
+    forward_includes_kv_cache_update: bool = True
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16,
+                                                     torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"  # the layer looks itself up as AttentionBackendEnum[get_name()]
+
+    @staticmethod
+    def get_impl_cls() -> type["KVQAttentionImpl"]:
+        return KVQAttentionImpl
+
+    @staticmethod
+    def get_builder_cls() -> type["KVQMetadataBuilder"]:
+        return KVQMetadataBuilder
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(16)]
+
+    @classmethod
+    def get_supported_head_sizes(cls) -> list[int]:
+        return list(SUPPORTED_HEAD_SIZES)
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        # Each layer's cache is a dense [num_blocks, H, block_size, C] byte tensor.
+        return (KVCacheLayout.LBHNC,)
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        fmt = active_config().fmt
+        if spec.head_size_v != spec.head_size:
+            raise ValueError(f"vllm-kvq needs equal K and V head sizes, got "
+                             f"{spec.head_size} and {spec.head_size_v}")
+        layout = fmt.layout(spec.head_size, spec.block_size)
+        return dataclasses.replace(spec, dtype=torch.uint8,
+                                   state_content_bytes=layout.token_bytes)
+
+
+@dataclass
+class KVQMetadata:
+    num_actual_tokens: int
+    query_start_loc: torch.Tensor   # int32 [S+1]
+    seq_lens: torch.Tensor          # int32 [S]
+    block_table: torch.Tensor       # int32 [S, max_blocks]
+    slot_mapping: torch.Tensor      # int64 [T]
+    plan: StepPlan | None           # residual window; None when R == 1
+    # the plan's index lists as tensors (built once per step, shared by all layers)
+    staging_start_loc: torch.Tensor | None = None
+    staging_pos0: torch.Tensor | None = None
+    pool_gather: tuple[torch.Tensor, ...] | None = None
+    new_gather: tuple[torch.Tensor, ...] | None = None
+    final_rows: torch.Tensor | None = None
+    final_slots: torch.Tensor | None = None
+    keep: tuple[torch.Tensor, ...] | None = None
+
+
+class KVQMetadataBuilder(AttentionMetadataBuilder[KVQMetadata]):
+    def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str],
+                 vllm_config: VllmConfig, device: torch.device) -> None:
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.config = active_config(vllm_config)
+        self.device = device
+        R = self.config.fmt.residual_chunk
+        self.slots = (ResidualSlots(residual_slot_count(vllm_config), R,
+                                    kv_cache_spec.block_size) if R > 1 else None)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> KVQMetadata:
+        cam = common_attn_metadata
+        S = cam.num_reqs
+        md = KVQMetadata(num_actual_tokens=cam.num_actual_tokens,
+                         query_start_loc=cam.query_start_loc[:S + 1],
+                         seq_lens=cam.seq_lens[:S],
+                         block_table=cam.block_table_tensor[:S],
+                         slot_mapping=cam.slot_mapping, plan=None)
+        if self.slots is None:
+            return md
+        qsl = cam.query_start_loc_cpu[:S + 1].tolist()
+        seq_lens = cam.seq_lens[:S].cpu().tolist()
+        plan = self.slots.plan(seq_lens, qsl, cam.block_table_tensor[:S].cpu().tolist())
+        md.plan = plan
+        for name, value in plan_tensors(plan, self.device).items():
+            setattr(md, name, value)
+        return md
+
+
+class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
+    def __init__(self, num_heads: int, head_size: int, scale: float,
+                 num_kv_heads: int | None = None, alibi_slopes: list[float] | None = None,
+                 sliding_window: int | None = None, kv_cache_dtype: str = "auto",
+                 logits_soft_cap: float | None = None,
+                 attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, **unsupported) -> None:
+        vllm_config = get_current_vllm_config()
+        self.config = active_config(vllm_config)
+        self.fmt = self.config.fmt
+        problems = {
+            "alibi_slopes": alibi_slopes is not None,
+            "sliding_window": sliding_window is not None,
+            "logits_soft_cap": bool(logits_soft_cap),
+            f"attn_type={attn_type}": attn_type != AttentionType.DECODER,
+            "kv_sharing_target_layer_name": kv_sharing_target_layer_name is not None,
+            f"kv_cache_dtype={kv_cache_dtype}": kv_cache_dtype != "auto",
+            **{k: v is not None for k, v in unsupported.items()},
+        }
+        bad = [k for k, v in problems.items() if v]
+        if bad:
+            raise NotImplementedError(
+                f"vllm-kvq's backend does not support {', '.join(bad)} (decoder-only "
+                f"full attention with kv_cache_dtype=auto; choose the format with "
+                f"--additional-config kvq.method)")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.attn_type = attn_type
+        self.kv_sharing_target_layer_name = None
+        self.num_slots = residual_slot_count(vllm_config)
+        self.pool: torch.Tensor | None = None  # [slots, 2, R, H, D] full-precision window
+        H = self.num_kv_heads
+        self.k_scale = torch.full((H,), self.config.k_scale, dtype=torch.float32)
+        self.v_scale = torch.full((H,), self.config.v_scale, dtype=torch.float32)
+
+    def _residual_pool(self, key: torch.Tensor) -> torch.Tensor:
+        if self.pool is None:
+            R = self.fmt.residual_chunk
+            self.pool = torch.zeros(self.num_slots, 2, R, self.num_kv_heads, self.head_size,
+                                    dtype=key.dtype, device=key.device)
+        return self.pool
+
+    def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor,
+                value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: KVQMetadata,
+                output: torch.Tensor, output_scale: torch.Tensor | None = None,
+                output_block_scale: torch.Tensor | None = None) -> torch.Tensor:
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("vllm-kvq does not fuse output quantization")
+        if attn_metadata is None:  # profiling / warm-up run
+            return output
+        md = attn_metadata
+        n = md.num_actual_tokens
+        q, k, v = query[:n], key[:n], value[:n]
+        if self.k_scale.device != query.device:
+            self.k_scale, self.v_scale = self.k_scale.to(query.device), self.v_scale.to(query.device)
+        staging = {}
+        if md.plan is None:
+            ops.write_cache(k, v, kv_cache, md.slot_mapping[:n], self.fmt,
+                            self.k_scale, self.v_scale)
+        else:
+            st_k, st_v = stage_and_write(
+                md, k, v, self._residual_pool(k),
+                lambda sk, sv, slots: ops.write_cache(sk, sv, kv_cache, slots, self.fmt,
+                                                      self.k_scale, self.v_scale))
+            staging = dict(staging_k=st_k, staging_v=st_v,
+                           staging_start_loc=md.staging_start_loc,
+                           staging_pos0=md.staging_pos0)
+        ops.paged_attention(q, kv_cache, md.block_table, md.seq_lens, md.query_start_loc,
+                            self.fmt, self.scale, self.k_scale, self.v_scale,
+                            out=output[:n], **staging)
+        return output

