@@ -1,0 +1,111 @@
+"""Formats: names, validation messages, byte accounting from the one layout header."""
+import itertools
+
+import pytest
+
+from vllm_kvq.config import config_from_dict
+from vllm_kvq.formats import EXAMPLE_NAMES, FormatError, parse_format
+
+HEAD_DIMS = (64, 128, 256)
+BLOCK_SIZES = (16, 32, 128)
+NAMES = EXAMPLE_NAMES + ("int3_group32", "int2_token", "int8_tensor_sym", "fp8_e5m2_token",
+                         "fp8_e4m3_head", "int4_channel16_r32", "kivi2_k16_g16_r16")
+
+
+def _fits(name, D, B):
+    try:
+        parse_format(name).check(D, B)
+        return True
+    except FormatError:
+        return False
+
+
+CASES = [(n, D, B) for n, D, B in itertools.product(NAMES, HEAD_DIMS, BLOCK_SIZES)
+         if _fits(n, D, B)]
+
+
+@pytest.mark.parametrize("name,D,B", CASES)
+def test_page_is_the_sum_of_its_fields(name, D, B):
+    fmt = parse_format(name)
+    lay = fmt.layout(D, B)
+    assert sum(lay.fields().values()) + lay.padding == lay.plane_bytes
+    assert lay.plane_bytes == lay.token_bytes * B
+    assert 0 <= lay.padding < B + 2 * 8 * 16  # alignment gaps + rounding to whole tokens
+    # fields do not overlap and lie inside the plane
+    spans = sorted((r[f"{f}_off"], r[f"{f}_off"] + r[f"{f}_bytes"])
+                   for r in (lay.k, lay.v) for f in ("data", "scale", "zero", "outlier")
+                   if r[f"{f}_bytes"])
+    for (a0, a1), (b0, _) in zip(spans, spans[1:]):
+        assert a1 <= b0
+    assert spans[-1][1] <= lay.plane_bytes
+
+
+@pytest.mark.parametrize("name,D,B", CASES)
+def test_declared_bytes_match_the_format(name, D, B):
+    fmt = parse_format(name)
+    lay = fmt.layout(D, B)
+    for c, r in ((fmt.key, lay.k), (fmt.value, lay.v)):
+        assert r["data_bytes"] == B * D * c.bits // 8
+        n_scales = {"none": 0, "tensor": 0, "head": 0, "token": B, "group": B * D // (c.group or 1),
+                    "channel": B // (c.group or 1) * D}[c.granularity]
+        assert r["scale_bytes"] == 2 * n_scales
+        stored_zero = n_scales and c.encoding == "int" and not c.symmetric
+        assert r["zero_bytes"] == (2 * n_scales if stored_zero else 0)
+
+
+def test_known_sizes_head_dim_128():
+    # bytes per token per kv head, K+V, scales included (block 128: no rounding loss)
+    expect = {"bf16": 512, "fp8_e4m3": 256, "fp8_e4m3_token": 260, "int8_token": 264,
+              "int8_group32": 288, "int4_group32": 160, "int2_group32": 96, "kivi4": 160,
+              "kivi2": 96}
+    for name, nbytes in expect.items():
+        assert parse_format(name).layout(128, 128).token_bytes == nbytes, name
+    assert parse_format("int4_group32").ratio_vs_bf16(128, 128) == pytest.approx(3.2)
+
+
+def test_residual_memory_is_per_sequence():
+    fmt = parse_format("kivi2")
+    # SmolLM2: 30 layers, 3 kv heads, head_dim 64, bf16 window of 128 tokens for K and V
+    assert fmt.residual_bytes_per_seq(30, 3, 64) == 30 * 2 * 3 * 128 * 64 * 2
+    assert parse_format("int4_group32").residual_bytes_per_seq(30, 3, 64) == 0
+
+
+@pytest.mark.parametrize("name,D,B,match", [
+    ("int5_group32", 128, 128, "bits=5 is not allowed; allowed: 2, 3, 4, 8"),
+    ("int4_group48", 128, 128, "group size=48 is not allowed"),
+    ("int4_group128", 64, 128, "group size 128 does not divide head_dim 64"),
+    ("int4_channel64_r64", 128, 32, "does not divide block_size 32"),
+    ("int4_group32", 100, 128, "head_dim=100 is not allowed"),
+    ("kivi3", 128, 128, "kivi bits=3 is not allowed; allowed: 2, 4"),
+    ("kivi2_r0", 128, 128, "positive multiple of 32"),
+    ("int4_group32_r96", 128, 128, "residual_tokens=96 must divide block_size=128"),
+    ("int4_tensor", 128, 128, "static .* symmetric"),
+    ("q4_0", 128, 128, "unknown format 'q4_0'; allowed"),
+])
+def test_bad_formats_say_what_is_allowed(name, D, B, match):
+    with pytest.raises(FormatError, match=match):
+        parse_format(name).check(D, B)
+
+
+@pytest.mark.parametrize("d,name", [
+    ({"method": "kivi"}, "kivi2"),
+    ({"method": "kivi", "bits": 4}, "kivi4"),
+    ({"method": "int", "bits": 4}, "int4_group32"),
+    ({"method": "fp8"}, "fp8_e4m3"),
+    ({"method": "int4_group32", "residual_tokens": "128"}, "int4_group32[residual_tokens=128]"),
+])
+def test_config_maps_to_formats(d, name):
+    assert config_from_dict(d).fmt.name == name
+
+
+@pytest.mark.parametrize("d,match", [
+    (None, "no \"kvq\" configuration"),
+    ({"bits": 4}, "kvq.method=None is required"),
+    ({"method": "int", "bits": "four"}, "kvq.bits='four' must be an integer"),
+    ({"method": "int", "colour": 1}, r"unknown kvq key\(s\) \['colour'\]"),
+    ({"method": "int", "k_scale": -1}, "kvq.k_scale=-1 must be a positive number"),
+    ({"method": "int", "key_granularity": "row"}, "granularity='row' is not allowed"),
+])
+def test_bad_config_names_key_value_and_allowed(d, match):
+    with pytest.raises(FormatError, match=match):
+        config_from_dict(d)
