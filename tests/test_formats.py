@@ -72,7 +72,7 @@ def test_residual_memory_is_per_sequence():
 
 @pytest.mark.parametrize("name,D,B,match", [
     ("int5_group32", 128, 128, "bits=5 is not allowed; allowed: 2, 3, 4, 8"),
-    ("int4_group48", 128, 128, "group size=48 is not allowed"),
+    ("int4_group48", 128, 128, "group size=48 is not allowed; allowed: 16, 32, 64, 128"),
     ("int4_group128", 64, 128, "group size 128 does not divide head_dim 64"),
     ("int4_channel64_r64", 128, 32, "does not divide block_size 32"),
     ("int4_group32", 100, 128, "head_dim=100 is not allowed"),

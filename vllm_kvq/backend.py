@@ -16,6 +16,7 @@ Impl. Registered as AttentionBackendEnum.CUSTOM by vllm_kvq.plugin; selected wit
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -180,6 +181,10 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
         self.pool: torch.Tensor | None = None  # [slots, 2, R, H, D] full-precision window
         H = self.num_kv_heads
         self.k_scale = torch.full((H,), self.config.k_scale, dtype=torch.float32)
+        # Test-only fault injection: proves measurements read the stored cache back.
+        self.fault = os.environ.get("VLLM_KVQ_FAULT", "")
+        if self.fault not in ("", "clobber_cache"):
+            raise ValueError(f"VLLM_KVQ_FAULT={self.fault!r}; allowed: clobber_cache")
         self.v_scale = torch.full((H,), self.config.v_scale, dtype=torch.float32)
 
     def _residual_pool(self, key: torch.Tensor) -> torch.Tensor:
@@ -214,6 +219,8 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
             staging = dict(staging_k=st_k, staging_v=st_v,
                            staging_start_loc=md.staging_start_loc,
                            staging_pos0=md.staging_pos0)
+        if self.fault == "clobber_cache":
+            kv_cache.fill_(0x3C)
         ops.paged_attention(q, kv_cache, md.block_table, md.seq_lens, md.query_start_loc,
                             self.fmt, self.scale, self.k_scale, self.v_scale,
                             out=output[:n], **staging)

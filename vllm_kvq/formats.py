@@ -78,7 +78,7 @@ class Codec:
                 raise _allowed("nuq bits", self.bits, NUQ_BITS)
         if self.granularity in ("group", "channel"):
             if self.group not in CHANNEL_GROUPS:
-                raise _allowed(f"{self.granularity} group size", self.group, CHANNEL_GROUPS)
+                raise _allowed(f"{self.granularity} size", self.group, CHANNEL_GROUPS)
         elif self.group:
             raise FormatError(f"group={self.group} only applies to group/channel granularity")
         if self.granularity in ("tensor", "head") and self.encoding == "int" and not self.symmetric:

