@@ -59,6 +59,41 @@ def cmd_formats(args) -> int:
     return 0
 
 
+SERVE_FLAGS = {  # friendly flag -> kvq config key
+    "--kv-method": "method", "--kv-bits": "bits", "--kv-group-size": "group_size",
+    "--kv-key-granularity": "key_granularity", "--kv-value-granularity": "value_granularity",
+    "--kv-residual-tokens": "residual_tokens", "--kv-calibration": "calibration",
+}
+
+
+def serve_command(model: str | None, kvq: dict, passthrough: list[str]) -> list[str]:
+    """`vllm serve` with our backend; every other vLLM flag is passed through untouched."""
+    from vllm_kvq.config import config_from_dict
+
+    config_from_dict(kvq)  # fail here, before vLLM starts, with our message
+    if model is None:
+        from vllm_kvq.model_prep import ensure_default_model
+        model = str(ensure_default_model())
+    cmd = ["vllm", "serve", model, "--attention-backend", "CUSTOM",
+           "--additional-config", json.dumps({"kvq": kvq})]
+    if not any(a.startswith("--enforce-eager") or a == "--no-enforce-eager"
+               for a in passthrough):
+        cmd.append("--enforce-eager")  # compiling takes minutes on small CPUs
+    return cmd + passthrough
+
+
+def cmd_serve(args, passthrough: list[str]) -> int:
+    import os
+    import shutil
+
+    kvq = {key: getattr(args, key) for key in SERVE_FLAGS.values()
+           if getattr(args, key) is not None}
+    cmd = serve_command(args.model, kvq, passthrough)
+    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    exe = shutil.which("vllm") or os.path.join(os.path.dirname(sys.executable), "vllm")
+    os.execv(exe, [exe] + cmd[1:])
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-kvq", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -68,13 +103,24 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--block-size", type=int, default=128)
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_formats)
+    s = sub.add_parser("serve", help="vLLM's OpenAI-compatible server with a quantized cache; "
+                       "unknown flags go to `vllm serve`")
+    s.add_argument("model", nargs="?", default=None,
+                   help="model folder or name (default: SmolLM2-135M-Instruct, prepared locally)")
+    for flag, key in SERVE_FLAGS.items():
+        s.add_argument(flag, dest=key, default="kivi2" if key == "method" else None,
+                       type=int if key in ("bits", "group_size", "residual_tokens") else str)
+    s.set_defaults(func=cmd_serve)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args, rest = build_parser().parse_known_args(argv)
+    if rest and args.command != "serve":
+        print(f"vllm-kvq: error: unrecognized arguments: {' '.join(rest)}", file=sys.stderr)
+        return 2
     try:
-        return args.func(args)
+        return args.func(args, rest) if args.command == "serve" else args.func(args)
     except FormatError as e:
         print(f"vllm-kvq: error: {e}", file=sys.stderr)
         return 2
