@@ -7,7 +7,9 @@ _kvq_repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 export KVQ_CACHE="${KVQ_CACHE:-$HOME/.cache/vllm-kvq}"
 export KVQ_PYTHON="${KVQ_PYTHON:-python3}"  # the base interpreter the venv is made from
 _kvq_pyver="$("$KVQ_PYTHON" -c 'import sys; print("%d.%d.%d" % sys.version_info[:3])')"
-export KVQ_REQ_HASH="$(sha256sum "$_kvq_repo/requirements/cpu.txt" | cut -d' ' -f1)"
+# Comments and blank lines are left out of the hash: editing them must not cost a new venv.
+export KVQ_REQ_HASH="$(sed -e 's/#.*//' -e '/^[[:space:]]*$/d' "$_kvq_repo/requirements/cpu.txt" \
+  | sha256sum | cut -d' ' -f1)"
 export KVQ_VENV="$KVQ_CACHE/venv-py${_kvq_pyver}-${KVQ_REQ_HASH:0:12}"
 case ":$PATH:" in
   *":$KVQ_VENV/bin:"*) ;;  # already there: sourcing twice must not grow PATH

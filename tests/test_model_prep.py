@@ -23,6 +23,7 @@ def test_config_shape(model_dir):
     assert cfg["num_key_value_heads"] == 3
     assert cfg["head_dim"] == 64
     assert cfg["rope_theta"] == 100000.0
+    assert "quantization_config" not in cfg  # plain bf16 weights, not GGUF
 
 
 def test_greedy_generates_paris(model_dir):

