@@ -6,8 +6,8 @@ decode step at p would read (see vllm_kvq/reference.py), so this is what decode 
 
 `python -m vllm_kvq.evaluate --method kivi2 --out run.json` runs one method in its own
 process (one engine per process keeps teardown clean); `compare_runs` scores it against a
-baseline run. Methods: any kvq method name, or "vllm-bf16" / "vllm-fp8" for vLLM's own CPU
-attention (the peers).
+baseline run. Methods: any kvq method name, or vLLM's own CPU attention as peers: "vllm"
+(its cache in the model's dtype) and "vllm-fp8" (needs AVX-512 or AMX).
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from pathlib import Path
 
 TOP_K = 20             # log-probs kept per position (vLLM's default max_logprobs)
 CONFIDENT_NATS = 0.5   # "confident" positions: baseline top-1 beats top-2 by this much
-VLLM_PEERS = {"vllm-bf16": {}, "vllm-fp8": {"kv_cache_dtype": "fp8"}}
+VLLM_PEERS = {"vllm": {}, "vllm-fp8": {"kv_cache_dtype": "fp8"}}
 GREEDY_PROMPTS = ["The capital of France is", "def fibonacci(n):",
                   "Water boils at a temperature of", "The three primary colors are"]
 
@@ -149,7 +149,7 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description="measure one KV-cache method through vLLM")
     p.add_argument("--method", required=True,
-                   help="kvq method name, a JSON kvq config, or vllm-bf16 / vllm-fp8")
+                   help="kvq method name, a JSON kvq config, or vllm / vllm-fp8")
     p.add_argument("--model", default=None)
     p.add_argument("--windows", type=int, default=4)
     p.add_argument("--window", type=int, default=1024)
