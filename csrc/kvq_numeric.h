@@ -66,7 +66,7 @@ constexpr float kFp16Max = 65504.0f;
 // Scales and zero-points are stored as fp16, saturated (never Inf).
 KVQ_HD uint16_t float_to_fp16_sat(float x) {
   if (x != x) return 0x7e00;
-  const uint16_t sign = x < 0 ? 0x8000 : 0;
+  const uint16_t sign = (float_bits(x) >> 16) & 0x8000;  // keeps -0.0, as torch does
   float ax = fabsf(x);
   if (ax > kFp16Max) ax = kFp16Max;
   return sign | (uint16_t)encode_small_float(ax, 5, 10);

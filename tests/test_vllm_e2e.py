@@ -5,20 +5,14 @@ Quality is compared with our bf16 through the same backend (same code path), and
 with vLLM's own CPU backend.
 """
 import json
-import math
-import os
-import subprocess
-import sys
-from functools import lru_cache
-from pathlib import Path
 
 import pytest
+from conftest import run_engine as run
 
 from vllm_kvq.evaluate import compare_runs
 from vllm_kvq.formats import parse_format
 
 pytestmark = pytest.mark.e2e
-DRIVER = Path(__file__).with_name("e2e_driver.py")
 SMOL = dict(layers=30, kv_heads=3, head_dim=64)
 BUDGET = 256 << 20
 MAX_NUM_SEQS = 256  # vLLM's default for LLM(); sizes the residual pool
@@ -34,16 +28,6 @@ QUALITY = {
     "kivi4": (0.08, 0.95, 0.08),
     "kivi2": (0.5, 0.80, 0.5),
 }
-
-
-@lru_cache(maxsize=None)
-def run(scenario: str, method: str, extra: str = "{}") -> dict:
-    out = Path(os.environ.get("KVQ_E2E_DIR", "/tmp")) / f"kvq-e2e-{scenario}-{method}-{abs(hash(extra))}.json"
-    proc = subprocess.run([sys.executable, str(DRIVER), scenario, method, str(out), extra],
-                          capture_output=True, text=True, timeout=1200)
-    if proc.returncode:
-        raise AssertionError(f"{scenario}/{method} failed:\n{proc.stderr[-6000:]}")
-    return json.loads(out.read_text())
 
 
 def test_our_bf16_is_vllm_bf16():

@@ -1,0 +1,182 @@
+"""Decode attention on CPU: vllm-kvq formats vs our bf16 vs vLLM's own CPU attention.
+
+Seeded; every sequence decodes one token at position ctx-1 of a paged cache (block size
+128, shuffled block tables, distinct blocks per sequence). Per row: ms per call (median),
+effective GB/s of KV bytes read (pages incl. scales; min over repeats), speed ratio vs our bf16 and vs vLLM's
+bf16 kernel (torch.ops._C.cpu_attention_with_kv_cache) on the same shape in the same run.
+
+  python benchmarks/bench_cpu_attention.py [--quick] [--threads N] [--formats bf16,kivi2]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from vllm_kvq import ops
+from vllm_kvq.formats import parse_format
+
+SHAPES = [(32, 8, 128), (9, 3, 64)]  # (query heads, kv heads, head_dim); 9/3/64 = SmolLM2
+BATCHES = [1, 4, 16]
+CONTEXTS = [1024, 4096, 16384]
+FORMATS = ["bf16", "fp8_e4m3", "int8_token", "int4_group32", "kivi4", "kivi2"]
+BLOCK = 128
+BASE_TOKENS = 2048  # tokens actually quantized; the rest of the cache repeats their planes
+
+
+def timeit(fn, min_time=0.4, min_reps=3, max_reps=50):
+    fn()  # warm-up
+    fn()
+    times = []
+    t_end = time.perf_counter() + min_time
+    while len(times) < min_reps or (time.perf_counter() < t_end and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e3  # min: the least disturbed run (shared machines are noisy)
+
+
+def make_block_tables(batch, ctx, gen):
+    nblk = (ctx + BLOCK - 1) // BLOCK
+    total = batch * nblk
+    perm = torch.randperm(total, generator=gen).to(torch.int32)
+    return perm.reshape(batch, nblk), total
+
+
+def fill_planes(cache, nbase):
+    """Repeat the first nbase blocks over the whole cache (distinct memory, real data)."""
+    n = cache.shape[0]
+    i = nbase
+    while i < n:
+        m = min(nbase, n - i)
+        cache[i:i + m].copy_(cache[:m])
+        i += m
+
+
+def bench_ours(name, Hq, H, D, batch, ctx, gen, q, k, v):
+    fmt = parse_format(name)
+    lay = fmt.layout(D, BLOCK)
+    bt, total = make_block_tables(batch, ctx, gen)
+    cache = torch.empty(total, H, BLOCK, lay.token_bytes, dtype=torch.uint8)
+    nbase = min(total, BASE_TOKENS // BLOCK)
+    ops.write_cache(k[:nbase * BLOCK], v[:nbase * BLOCK], cache, torch.arange(nbase * BLOCK),
+                    fmt)
+    fill_planes(cache, nbase)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    R = fmt.residual_chunk
+    extra = {}
+    if R > 1:  # decode at position ctx-1: positions >= floor(ctx/R)*R come from staging
+        p0 = ctx // R * R
+        n_st = ctx - p0
+        extra = dict(staging_k=torch.randn(batch * max(n_st, 1), H, D).to(torch.bfloat16),
+                     staging_v=torch.randn(batch * max(n_st, 1), H, D).to(torch.bfloat16),
+                     staging_start_loc=torch.arange(batch + 1, dtype=torch.int32) * n_st,
+                     staging_pos0=torch.full((batch,), p0, dtype=torch.int32))
+    out = torch.empty_like(q)
+
+    def run():
+        ops.paged_attention(q, cache, bt, seq_lens, qsl, fmt, D ** -0.5, out=out, **extra)
+
+    ms = timeit(run)
+    nbytes = batch * H * ctx * lay.token_bytes
+    return ms, nbytes, out.clone()
+
+
+def vllm_available():
+    try:
+        from vllm.platforms.cpu import CpuPlatform
+        CpuPlatform.import_kernels()  # loads the right _C / _C_AVX512 / _C_AVX2 build
+        return hasattr(torch.ops._C, "cpu_attention_with_kv_cache")
+    except Exception as e:  # noqa: BLE001
+        print(f"vLLM CPU attention unavailable: {e!r}")
+        return False
+
+
+def vllm_isa():
+    if torch.cpu._is_amx_tile_supported():
+        return "amx"
+    return "vec"  # block size 128 is a multiple of 32
+
+
+def bench_vllm(Hq, H, D, batch, ctx, gen, q, k, v):
+    isa = vllm_isa()
+    bt, total = make_block_tables(batch, ctx, gen)
+    kv = torch.empty(total, H, BLOCK, 2 * D, dtype=torch.bfloat16)
+    kc, vc = kv.view(total, H, 2 * BLOCK, D).chunk(2, dim=2)
+    nbase = min(total, BASE_TOKENS // BLOCK)
+    torch.ops._C.cpu_attn_reshape_and_cache(k[:nbase * BLOCK], v[:nbase * BLOCK], kc, vc,
+                                            torch.arange(nbase * BLOCK), isa, 1.0, 1.0, "auto")
+    fill_planes(kv, nbase)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    meta = torch.ops._C.get_scheduler_metadata(batch, Hq, H, D, seq_lens, torch.bfloat16, qsl,
+                                               True, -1, isa, True, None, "auto")
+    out = torch.empty_like(q)
+
+    def run():
+        torch.ops._C.cpu_attention_with_kv_cache(q, kc, vc, out, qsl, seq_lens, D ** -0.5, True,
+                                                 None, -1, bt, 0.0, meta, None, None, 1.0, 1.0,
+                                                 "auto")
+
+    ms = timeit(run)
+    return ms, batch * H * ctx * 2 * D * 2, out.clone()
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="batch 1/4, context 1k/4k only")
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch/OpenMP threads (0: torch's default); on a shared or oversubscribed "
+                         "machine 1 thread gives the stablest numbers")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    formats = args.formats.split(",")
+    batches, contexts = (BATCHES[:2], CONTEXTS[:2]) if args.quick else (BATCHES, CONTEXTS)
+    have_vllm = not args.no_vllm and vllm_available()
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
+          f"vllm-kvq SIMD path {ops.simd_path()}, vLLM CPU attention: "
+          f"{'isa ' + vllm_isa() if have_vllm else 'not available'}")
+    hdr = (f"{'Hq/H/D':>10} {'batch':>5} {'ctx':>6} {'format':>14} {'ms':>9} {'GB/s':>7} "
+           f"{'x our bf16':>10} {'x vLLM bf16':>11}")
+    print(hdr)
+    print("-" * len(hdr))
+    for Hq, H, D in SHAPES:
+        for batch in batches:
+            for ctx in contexts:
+                gen = torch.Generator().manual_seed(1000 * batch + ctx + D)
+                q = torch.randn(batch, Hq, D, generator=gen).to(torch.bfloat16)
+                k = torch.randn(BASE_TOKENS, H, D, generator=gen).to(torch.bfloat16)
+                v = torch.randn(BASE_TOKENS, H, D, generator=gen).to(torch.bfloat16)
+                rows = []
+                vllm_ms = vllm_out = None
+                if have_vllm:
+                    # same block tables (same seed) and same K/V as our runs
+                    vllm_ms, nb, vllm_out = bench_vllm(Hq, H, D, batch, ctx,
+                                                       torch.Generator().manual_seed(7), q, k, v)
+                    rows.append(("vLLM bf16", vllm_ms, nb))
+                ours_bf16 = None
+                for name in formats:
+                    ms, nb, out = bench_ours(name, Hq, H, D, batch, ctx,
+                                             torch.Generator().manual_seed(7), q, k, v)
+                    if name == "bf16":
+                        ours_bf16 = ms
+                        if vllm_out is not None:  # same data: the two bf16 kernels agree
+                            diff = (out.float() - vllm_out.float()).abs().max().item()
+                            assert diff < 2e-2, f"our bf16 vs vLLM bf16 differ by {diff}"
+                    rows.append((name, ms, nb))
+                for name, ms, nb in rows:
+                    r1 = f"{ours_bf16 / ms:10.2f}" if ours_bf16 else f"{'-':>10}"
+                    r2 = f"{vllm_ms / ms:11.2f}" if vllm_ms else f"{'-':>11}"
+                    print(f"{f'{Hq}/{H}/{D}':>10} {batch:>5} {ctx:>6} {name:>14} {ms:9.3f} "
+                          f"{nb / ms / 1e6:7.1f} {r1} {r2}", flush=True)
+    print("ratios > 1: faster than the reference kernel (ms_ref / ms)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,352 @@
+// kvq_cpu::paged_attention: argument checks, work split and SIMD dispatch. The kernel
+// body is attn_body.h, compiled per SIMD path (attn_avx512.cpp, attn_avx2.cpp,
+// attn_scalar.cpp); this file is compiled for the baseline target.
+#include <omp.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "attn_common.h"
+#include "cpu_ops.h"
+
+namespace kvq_cpu {
+
+void check_codec(const kvq::Codec& c, int D, int B, const char* what);  // cache_write.cpp
+
+namespace {
+
+enum Path { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVX512 = 2 };
+
+Path best_path() {
+  static const Path best = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
+        __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+        __builtin_cpu_supports("bmi2"))
+      return PATH_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2"))
+      return PATH_AVX2;
+    return PATH_SCALAR;
+  }();
+  return best;
+}
+
+// The path used now: the best the CPU has, lowered by KVQ_SIMD=scalar|avx2|avx512 (read
+// on every call, so tests can switch paths in one process).
+Path current_path() {
+  Path p = best_path();
+  if (const char* e = std::getenv("KVQ_SIMD")) {
+    const std::string s(e);
+    Path want = p;
+    if (s == "scalar") want = PATH_SCALAR;
+    else if (s == "avx2") want = PATH_AVX2;
+    else if (s == "avx512") want = PATH_AVX512;
+    else if (!s.empty() && s != "auto")
+      TORCH_CHECK(false, "KVQ_SIMD=", s, " is not allowed; allowed: scalar, avx2, avx512, auto");
+    p = std::min(p, want);
+  }
+  return p;
+}
+
+const char* path_name(Path p) {
+  return p == PATH_AVX512 ? "avx512" : (p == PATH_AVX2 ? "avx2" : "scalar");
+}
+
+TaskFn task_fn(Path p) {
+  switch (p) {
+    case PATH_AVX512: return kvq_avx512::run_task;
+    case PATH_AVX2: return kvq_avx2::run_task;
+    default: return kvq_scalar::run_task;
+  }
+}
+
+int32_t dtype_of(const at::Tensor& t, const char* what) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DT_F32;
+    case at::kHalf: return DT_F16;
+    case at::kBFloat16: return DT_BF16;
+    default:
+      TORCH_CHECK(false, what, " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  }
+}
+
+kvq::Codec to_codec(const std::vector<int64_t>& v, const char* what) {
+  TORCH_CHECK(v.size() == (size_t)kvq::kCodecInts, what, " must have ", kvq::kCodecInts,
+              " ints, got ", v.size());
+  return kvq::Codec{(int32_t)v[0], (int32_t)v[1], (int32_t)v[2],
+                    (int32_t)v[3], (int32_t)v[4], (int32_t)v[5]};
+}
+
+std::vector<float> static_scales(const kvq::Codec& c, const at::Tensor& s, int H,
+                                 const char* what) {
+  std::vector<float> out(H, 1.0f);
+  if (c.granularity == kvq::GRAN_TENSOR || c.granularity == kvq::GRAN_HEAD) {
+    TORCH_CHECK(s.numel() == H || s.numel() == 1, what, " must have 1 or H=", H,
+                " values for a static-scale codec, got ", s.numel());
+    at::Tensor f = s.to(at::kFloat).contiguous();
+    for (int h = 0; h < H; ++h) out[h] = f.data_ptr<float>()[s.numel() == 1 ? 0 : h];
+  }
+  return out;
+}
+
+std::vector<int32_t> to_i32(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, what,
+              " must be int32 or int64");
+  at::Tensor c = t.to(at::kInt).contiguous();
+  return std::vector<int32_t>(c.data_ptr<int32_t>(), c.data_ptr<int32_t>() + c.numel());
+}
+
+}  // namespace
+
+std::string simd_path() { return path_name(current_path()); }
+int simd_level() { return (int)current_path(); }
+
+void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& cache,
+                     const at::Tensor& block_table, const at::Tensor& seq_lens,
+                     const at::Tensor& query_start_loc, const at::Tensor& staging_k,
+                     const at::Tensor& staging_v, const at::Tensor& staging_start_loc,
+                     const at::Tensor& staging_pos0, int64_t residual_chunk,
+                     double softmax_scale, const std::vector<int64_t>& k_codec,
+                     const std::vector<int64_t>& v_codec, const at::Tensor& k_scale,
+                     const at::Tensor& v_scale) {
+  const kvq::Codec kc = to_codec(k_codec, "k_codec"), vc = to_codec(v_codec, "v_codec");
+  TORCH_CHECK(query.dim() == 3, "query must be [T, Hq, D]");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
+              "out must have query's shape and dtype");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "query/out last dim must be contiguous");
+  TORCH_CHECK(cache.scalar_type() == at::kByte && cache.dim() == 4,
+              "cache must be uint8 [num_blocks, H, block_size, C]");
+  const int Hq = (int)query.size(1), D = (int)query.size(2);
+  const int H = (int)cache.size(1), B = (int)cache.size(2);
+  const int64_t nb = cache.size(0), C = cache.size(3);
+  TORCH_CHECK(H > 0 && Hq % H == 0, "query heads ", Hq, " must be a multiple of kv heads ", H);
+  TORCH_CHECK(D % 16 == 0 && D >= 16 && D <= 512, "head_dim ", D,
+              " must be a multiple of 16 in [16, 512]");
+  TORCH_CHECK(B % 16 == 0 && B > 0, "block_size ", B, " must be a multiple of 16");
+  check_codec(kc, D, B, "k_codec");
+  check_codec(vc, D, B, "v_codec");
+  const kvq::Layout lay = kvq::make_layout(kc, vc, D, B);
+  TORCH_CHECK(C == lay.token_bytes, "cache last dim is ", C, " bytes but this format needs ",
+              lay.token_bytes, " (head_dim ", D, ", block_size ", B, ")");
+  TORCH_CHECK(cache.stride(3) == 1 && cache.stride(2) == C && cache.stride(1) >= (int64_t)B * C,
+              "each (block, kv_head) plane of the cache must be contiguous");
+  const int R = (int)residual_chunk;
+  TORCH_CHECK(R >= 1, "residual_chunk ", R, " must be >= 1");
+  const int32_t qdt = dtype_of(query, "query");
+
+  const std::vector<int32_t> sl = to_i32(seq_lens, "seq_lens");
+  const std::vector<int32_t> qsl = to_i32(query_start_loc, "query_start_loc");
+  const int S = (int)sl.size();
+  TORCH_CHECK((int)qsl.size() >= S + 1, "query_start_loc must have S+1=", S + 1, " entries");
+  TORCH_CHECK(block_table.dim() == 2 && block_table.size(0) >= S,
+              "block_table must be [S, max_blocks]");
+  at::Tensor bt = block_table.scalar_type() == at::kInt ? block_table
+                                                         : block_table.to(at::kInt);
+  if (bt.stride(1) != 1) bt = bt.contiguous();
+  const int64_t maxb = bt.size(1);
+  const int32_t* btp = bt.data_ptr<int32_t>();
+
+  const bool any_staging_possible = R > 1 && staging_k.numel() > 0;
+  std::vector<int32_t> ssl, sp0;
+  int64_t Ns = 0;
+  int32_t sdt = qdt;
+  if (any_staging_possible) {
+    ssl = to_i32(staging_start_loc, "staging_start_loc");
+    sp0 = to_i32(staging_pos0, "staging_pos0");
+    TORCH_CHECK((int)ssl.size() >= S && (int)sp0.size() >= S,
+                "staging_start_loc / staging_pos0 need an entry per sequence");
+    TORCH_CHECK(staging_k.dim() == 3 && staging_v.sizes() == staging_k.sizes() &&
+                    staging_k.size(1) == H && staging_k.size(2) == D,
+                "staging_k/v must be [Ns, H=", H, ", D=", D, "]");
+    TORCH_CHECK(staging_k.stride(2) == 1 && staging_v.stride(2) == 1,
+                "staging last dim must be contiguous");
+    TORCH_CHECK(staging_k.scalar_type() == staging_v.scalar_type(),
+                "staging_k and staging_v must have one dtype");
+    sdt = dtype_of(staging_k, "staging_k");
+    Ns = staging_k.size(0);
+  }
+  const std::vector<float> ks = static_scales(kc, k_scale, H, "k_scale");
+  const std::vector<float> vs = static_scales(vc, v_scale, H, "v_scale");
+
+  // ---- tasks ---------------------------------------------------------------------------
+  const int gq = Hq / H;
+  const int qt = std::max(1, 64 / gq);  // query tokens per prefill tile
+  const int nthreads = omp_get_max_threads();
+  TORCH_CHECK(qsl[0] >= 0 && qsl[S] <= query.size(0), "query_start_loc[-1]=", qsl[S],
+              " exceeds the ", query.size(0), " query rows");
+  std::vector<AttnTask> tasks;
+  for (int s = 0; s < S; ++s) {
+    const int q0 = qsl[s], q1 = qsl[s + 1], L = sl[s];
+    TORCH_CHECK(q1 >= q0, "query_start_loc must be non-decreasing (sequence ", s, ")");
+    const int nq = q1 - q0;
+    if (nq == 0) continue;
+    TORCH_CHECK(nq <= L, "sequence ", s, " has ", nq, " queries but seq_len ", L);
+    const int first = L - nq;
+    const int maxF = L / R * R;  // F of the last query (position L-1)
+    const int nblk = (maxF + B - 1) / B;
+    TORCH_CHECK(nblk <= maxb, "sequence ", s, " needs ", nblk, " blocks, block_table has ",
+                maxb);
+    for (int j = 0; j < nblk; ++j) {
+      const int32_t b = btp[(int64_t)s * bt.stride(0) + j];
+      TORCH_CHECK(b >= 0 && b < nb, "block_table[", s, ", ", j, "] = ", b,
+                  " is not a block of the cache (", nb, " blocks)");
+    }
+    // Staging positions read by queries at positions [pb, pe): the union of [F(p), p].
+    auto stg_range = [&](int pb, int pe, int& lo, int& hi) {
+      lo = INT32_MAX; hi = 0;
+      if (R == 1) return;
+      for (int p = pb; p < pe; ++p) {
+        const int F = (p + 1) / R * R;
+        if (F <= p) { lo = std::min(lo, F); hi = std::max(hi, p + 1); }
+      }
+    };
+    int slo, shi;
+    stg_range(first, L, slo, shi);
+    int64_t stg_base = 0;
+    if (slo < shi) {
+      TORCH_CHECK(any_staging_possible, "sequence ", s, " reads positions ", slo, "..",
+                  shi - 1, " from staging (residual_chunk ", R, ") but staging_k is empty");
+      stg_base = (int64_t)ssl[s] - sp0[s];
+      TORCH_CHECK(slo >= sp0[s] && stg_base + slo >= 0 && stg_base + shi <= Ns,
+                  "sequence ", s, " reads staging positions ", slo, "..", shi - 1,
+                  " = rows ", stg_base + slo, "..", stg_base + shi - 1,
+                  " but staging holds positions from staging_pos0=", sp0[s], " and has ", Ns,
+                  " rows");
+    }
+    for (int i0 = 0; i0 < nq; i0 += qt) {
+      const int n = std::min(qt, nq - i0);
+      const int plast = first + i0 + n - 1;
+      const int Fl = (plast + 1) / R * R;
+      int tlo, thi;
+      stg_range(first + i0, first + i0 + n, tlo, thi);
+      for (int h = 0; h < H; ++h) {
+        AttnTask t{};
+        t.s = s; t.h = h; t.tok0 = q0 + i0; t.nq = n; t.pos0 = first + i0;
+        t.kbeg = 0; t.kend = Fl;
+        t.staging = tlo < thi ? 1 : 0;
+        t.stg_base = stg_base;
+        t.part = -1;
+        tasks.push_back(t);
+      }
+    }
+  }
+  if (tasks.empty()) return;
+
+  // Flash-decoding split when there are too few tasks for the threads.
+  constexpr int kMinPart = 512;
+  std::vector<AttnTask> work;
+  struct Group { int64_t first, count; };
+  std::vector<Group> groups;
+  int64_t part_floats = 0;
+  const int ntasks = (int)tasks.size();
+  const int want = ntasks < 2 * nthreads ? (4 * nthreads + ntasks - 1) / ntasks : 1;
+  for (const AttnTask& t : tasks) {
+    const int keys = t.kend - t.kbeg;
+    int np = std::min(want, std::max(1, keys / kMinPart));
+    if (np <= 1) { work.push_back(t); continue; }
+    const int per = ((keys + np - 1) / np + B - 1) / B * B;
+    np = (keys + per - 1) / per;
+    const int M = t.nq * gq;
+    groups.push_back(Group{(int64_t)work.size(), np});
+    for (int p = 0; p < np; ++p) {
+      AttnTask u = t;
+      u.kbeg = t.kbeg + p * per;
+      u.kend = std::min(t.kend, u.kbeg + per);
+      u.staging = p == np - 1 ? t.staging : 0;
+      u.part = part_floats;
+      part_floats += (int64_t)partial_floats(M, D);
+      work.push_back(u);
+    }
+  }
+  // Longest first for the dynamic schedule.
+  std::vector<int> order(work.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = (int)i;
+  std::stable_sort(order.begin(), order.end(), [&](int a, int b) {
+    const int64_t wa = (int64_t)(work[a].kend - work[a].kbeg + 64) * work[a].nq;
+    const int64_t wb = (int64_t)(work[b].kend - work[b].kbeg + 64) * work[b].nq;
+    return wa > wb;
+  });
+
+  int max_rows = 0;
+  for (const AttnTask& t : work) max_rows = std::max(max_rows, t.nq * gq);
+  const size_t per_thread = (scratch_floats(max_rows, D) + 15) / 16 * 16;
+  std::vector<float> partials((size_t)part_floats);
+
+  AttnParams P{};
+  P.q = query.data_ptr(); P.q_st = query.stride(0); P.q_sh = query.stride(1);
+  P.out = out.data_ptr(); P.o_st = out.stride(0); P.o_sh = out.stride(1);
+  P.dtype = qdt;
+  P.cache = cache.data_ptr<uint8_t>(); P.c_sb = cache.stride(0); P.c_sh = cache.stride(1);
+  P.bt = btp; P.bt_stride = bt.stride(0);
+  if (any_staging_possible && Ns > 0) {
+    P.sk = staging_k.data_ptr(); P.sv = staging_v.data_ptr();
+    P.sk_st = staging_k.stride(0); P.sk_sh = staging_k.stride(1);
+    P.sv_st = staging_v.stride(0); P.sv_sh = staging_v.stride(1);
+  }
+  P.s_dtype = sdt;
+  P.Hq = Hq; P.H = H; P.D = D; P.B = B; P.R = R; P.gq = gq;
+  P.scale_log2 = (float)(softmax_scale * 1.4426950408889634);
+  P.kc = kc; P.vc = vc; P.lay = lay;
+  P.k_scale = ks.data(); P.v_scale = vs.data();
+  P.partials = partials.data();
+
+  const TaskFn fn = task_fn(current_path());
+  const int64_t nwork = (int64_t)work.size();
+  const int nthr = (int)std::min<int64_t>(nthreads, nwork);
+#pragma omp parallel num_threads(nthr)
+  {
+    std::vector<float> scratch(per_thread + 16);
+    float* sp = scratch.data();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < nwork; ++i) fn(P, work[order[i]], sp);
+  }
+
+  // Combine split tasks: out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p.
+  if (!groups.empty()) {
+    const int64_t ng = (int64_t)groups.size();
+#pragma omp parallel for schedule(dynamic, 1) num_threads(std::min<int64_t>(nthreads, ng))
+    for (int64_t gi = 0; gi < ng; ++gi) {
+      const Group& g = groups[gi];
+      const AttnTask& t0 = work[g.first];
+      const int M = t0.nq * gq;
+      std::vector<float> accum((size_t)D);
+      for (int m = 0; m < M; ++m) {
+        float mx = -INFINITY;
+        for (int64_t p = 0; p < g.count; ++p)
+          mx = std::max(mx, partials[work[g.first + p].part + m]);
+        float l = 0.0f;
+        std::fill(accum.begin(), accum.end(), 0.0f);
+        for (int64_t p = 0; p < g.count; ++p) {
+          const float* src = partials.data() + work[g.first + p].part;
+          const float pm = src[m];
+          if (pm == -INFINITY && src[M + m] == 0.0f) continue;  // saw no key
+          const float w = std::exp2(pm - mx);
+          l += w * src[M + m];
+          const float* a = src + 2 * M + (int64_t)m * D;
+          for (int d = 0; d < D; ++d) accum[d] += w * a[d];
+        }
+        const float inv = l != 0.0f ? 1.0f / l : 0.0f;
+        const int i = m / gq, hq = t0.h * gq + m % gq;
+        const int64_t o = (int64_t)(t0.tok0 + i) * P.o_st + (int64_t)hq * P.o_sh;
+        if (qdt == DT_F32) {
+          float* dst = (float*)P.out + o;
+          for (int d = 0; d < D; ++d) dst[d] = accum[d] * inv;
+        } else if (qdt == DT_F16) {
+          uint16_t* dst = (uint16_t*)P.out + o;
+          for (int d = 0; d < D; ++d) dst[d] = out_fp16(accum[d] * inv);
+        } else {
+          uint16_t* dst = (uint16_t*)P.out + o;
+          for (int d = 0; d < D; ++d) dst[d] = kvq::float_to_bf16(accum[d] * inv);
+        }
+      }
+    }
+  }
+}
+
+}  // namespace kvq_cpu

@@ -1,0 +1,143 @@
+// Paged attention, AVX-512 (F/BW/DQ/VL) path (16 float lanes). See attn_body.h.
+#include <immintrin.h>
+#include <math.h>
+#include <string.h>
+
+#include "attn_common.h"
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi,bmi2")
+// GCC 12 warns about _mm512_undefined_* inside its own intrinsics (a false positive).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+namespace kvq_cpu {
+namespace kvq_avx512 {
+
+constexpr int W = 16;
+typedef __m512 VF;
+
+static inline VF vzero() { return _mm512_setzero_ps(); }
+static inline VF vset(float x) { return _mm512_set1_ps(x); }
+static inline VF vload(const float* p) { return _mm512_loadu_ps(p); }
+static inline void vstore(float* p, VF v) { _mm512_storeu_ps(p, v); }
+static inline VF vadd(VF a, VF b) { return _mm512_add_ps(a, b); }
+static inline VF vsub(VF a, VF b) { return _mm512_sub_ps(a, b); }
+static inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+static inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
+static inline VF vmax(VF a, VF b) { return _mm512_max_ps(a, b); }
+static inline VF vmin(VF a, VF b) { return _mm512_min_ps(a, b); }
+static inline float vhsum(VF v) {
+  __m256 y = _mm256_add_ps(_mm512_castps512_ps256(v),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+static inline float vhmax(VF v) {
+  __m256 y = _mm256_max_ps(_mm512_castps512_ps256(v),
+                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_max_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+// 2^x, rel. error ~2e-7; x < -125 (and -inf) -> 0; NaN stays NaN.
+static inline VF vexp2(VF x) {
+  const VF t = vmin(vset(127.0f), vmax(vset(-125.0f), x));
+  const VF n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const VF f = vsub(t, n);
+  VF p = vset(1.535336188319500e-4f);
+  p = vfma(p, f, vset(1.339887440266574e-3f));
+  p = vfma(p, f, vset(9.618437357674640e-3f));
+  p = vfma(p, f, vset(5.550332471162809e-2f));
+  p = vfma(p, f, vset(2.402264791363012e-1f));
+  p = vfma(p, f, vset(6.931472028550421e-1f));
+  p = vfma(p, f, vset(1.0f));
+  const __m512i e = _mm512_slli_epi32(_mm512_cvtps_epi32(n), 23);
+  const VF r = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(p), e));
+  const __mmask16 small = _mm512_cmp_ps_mask(x, vset(-125.0f), _CMP_LT_OQ);
+  return _mm512_mask_mov_ps(r, small, vzero());
+}
+// lane k = sum of a[k]'s lanes.
+static inline VF vreduce(const VF* a) {
+  VF x[8], z[4];
+  for (int k = 0; k < 8; ++k)  // per 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3]
+    x[k] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * k], a[2 * k + 1]),
+                         _mm512_unpackhi_ps(a[2 * k], a[2 * k + 1]));
+  for (int k = 0; k < 4; ++k)  // per 128-bit lane q: [a, b, c, d] partial sums of lane q
+    z[k] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * k], x[2 * k + 1], 0x44),
+                         _mm512_shuffle_ps(x[2 * k], x[2 * k + 1], 0xEE));
+  // z[k] holds inputs 4k..4k+3 in each 128-bit lane; sum the four 128-bit lanes.
+  const VF s01 = _mm512_add_ps(_mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                               _mm512_shuffle_f32x4(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const VF s23 = _mm512_add_ps(_mm512_shuffle_f32x4(z[2], z[3], _MM_SHUFFLE(2, 0, 2, 0)),
+                               _mm512_shuffle_f32x4(z[2], z[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(s01, s23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+static inline VF ld_f16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p));
+}
+static inline VF ld_bf16(const uint16_t* p) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+static inline VF ld_u8(const uint8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p)));
+}
+static inline VF ld_u4(const uint8_t* p) {
+  const __m128i x = _mm_loadl_epi64((const __m128i*)p);
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(x, x));
+  const __m512i sh = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+  return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(v, sh), _mm512_set1_epi32(15)));
+}
+static inline VF ld_u2(const uint8_t* p) {
+  int32_t w;
+  memcpy(&w, p, 4);
+  const __m128i x = _mm_cvtsi32_si128(w);
+  const __m128i dup = _mm_shuffle_epi8(x, _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3,
+                                                        3, 3));
+  const __m512i v = _mm512_cvtepu8_epi32(dup);
+  const __m512i sh = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
+  return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(v, sh), _mm512_set1_epi32(3)));
+}
+// Two chunks from W bytes of int4: a = low nibbles (even channels), b = high (odd).
+static inline void ld_u4x2(const uint8_t* p, VF& a, VF& b) {
+  const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
+  a = _mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(15)));
+  b = _mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4));
+}
+// Two chunks from W/2 bytes of int2: lanes [0, W/2) take byte i, lanes [W/2, W) byte i - W/2;
+// a = bit pairs 0 | 1, b = bit pairs 2 | 3.
+static inline void ld_u2x2(const uint8_t* p, VF& a, VF& b) {
+  const __m128i x = _mm_loadl_epi64((const __m128i*)p);
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(x, x));
+  const __m512i m = _mm512_set1_epi32(3);
+  a = _mm512_cvtepi32_ps(_mm512_and_si512(
+      _mm512_srlv_epi32(v, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2)), m));
+  b = _mm512_cvtepi32_ps(_mm512_and_si512(
+      _mm512_srlv_epi32(v, _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6)), m));
+}
+// e4m3 byte s.eeee.mmm -> fp16 s.0eeee.mmm0000000 = value * 2^-8, subnormals included:
+// put the byte in the high half of a 16-bit lane, shift right by one (arithmetic: the sign
+// lands in bits 15 and 14), clear bit 14.
+static inline VF ld_e4m3(const uint8_t* p) {
+  const __m256i w = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p)), 8);
+  return _mm512_cvtph_ps(
+      _mm256_and_si256(_mm256_srai_epi16(w, 1), _mm256_set1_epi16((short)0xBFFF)));
+}
+// e5m2 is the high byte of an fp16.
+static inline VF ld_e5m2(const uint8_t* p) {
+  const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
+  return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+}
+
+#include "attn_body.h"
+
+const TaskFn run_task = &run_task_impl;
+
+}  // namespace kvq_avx512
+}  // namespace kvq_cpu
+
+#pragma GCC pop_options

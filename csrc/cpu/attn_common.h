@@ -1,0 +1,88 @@
+// Plain-C++ interface between the attention driver (attention.cpp) and the per-ISA kernel
+// bodies (attn_avx512.cpp, attn_avx2.cpp, attn_scalar.cpp, all built from attn_body.h).
+//
+// No torch types here: the ISA translation units are compiled under `#pragma GCC target`
+// and must not instantiate inline code (torch, std templates) that other translation units
+// also instantiate, or the linker could keep an AVX-512 copy for everyone.
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kvq_layout.h"
+#include "kvq_numeric.h"
+
+namespace kvq_cpu {
+
+enum DType : int32_t { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
+
+// Key tokens per tile: K (then V) of one tile is dequantized into a TT x D fp32 scratch.
+constexpr int kTileTokens = 32;
+
+struct AttnParams {
+  const void* q;            // [T, Hq, D]
+  int64_t q_st, q_sh;       // element strides
+  void* out;                // [T, Hq, D], dtype of q
+  int64_t o_st, o_sh;
+  int32_t dtype;            // DType of q / out
+  const uint8_t* cache;     // [nb, H, B, C]
+  int64_t c_sb, c_sh;       // byte strides of block and head
+  const int32_t* bt;        // [S, max_blocks]
+  int64_t bt_stride;
+  const void* sk;           // staging K [Ns, H, D] (dtype s_dtype)
+  const void* sv;
+  int64_t sk_st, sk_sh, sv_st, sv_sh;  // element strides
+  int32_t s_dtype;
+  int32_t Hq, H, D, B, R, gq;
+  float scale_log2;         // softmax_scale * log2(e): logits live in the log2 domain
+  kvq::Codec kc, vc;
+  kvq::Layout lay;
+  const float* k_scale;     // [H] static scales (1.0 when unused)
+  const float* v_scale;
+  float* partials;          // split tasks' partial results (AttnTask::part offsets)
+};
+
+// One unit of work: a tile of consecutive query tokens of one sequence, one kv head (all
+// gq query heads of its group), paged key positions [kbeg, kend), and optionally the
+// staging positions its queries read.
+struct AttnTask {
+  int32_t s, h;
+  int32_t tok0;       // first query row
+  int32_t nq;         // query tokens
+  int32_t pos0;       // absolute position of the first query token
+  int32_t kbeg, kend; // paged key positions covered (kend <= F of the last query)
+  int32_t staging;    // 1: also read staging positions [F(pos0+1), pos0+nq-1]
+  int32_t pad_;
+  int64_t stg_base;   // staging row of position p is stg_base + p
+  int64_t part;       // partial result offset (floats) or -1: write `out` directly
+};
+
+// Partial results of a split task: m[M], l[M], acc[M*D] (log2-domain max and sum).
+inline size_t partial_floats(int M, int D) { return (size_t)M * (2 + D); }
+
+// Scratch floats one thread needs for tasks of at most max_rows (= nq*gq) rows (see the
+// carving at the top of run_task_impl in attn_body.h).
+inline size_t scratch_floats(int max_rows, int D) {
+  const size_t M = (size_t)(max_rows < 16 ? 16 : max_rows), TT = kTileTokens;
+  return M * D * 3 + M * TT + TT * D + 2 * TT * (D / 16) + 8 * (size_t)D + 6 * M +
+         TT * D / 4 + 256;
+}
+
+using TaskFn = void (*)(const AttnParams&, const AttnTask&, float* scratch);
+
+// Non-saturating IEEE fp16 from float (RNE; Inf stays Inf), for outputs.
+inline uint16_t out_fp16(float x) {
+  const uint32_t u = kvq::float_bits(x);
+  const uint16_t sign = (uint16_t)((u >> 16) & 0x8000u);
+  const uint32_t a = u & 0x7fffffffu;
+  if (a > 0x7f800000u) return sign | 0x7e00;
+  if (a >= 0x477ff000u) return sign | 0x7c00;
+  if (a < 0x38800000u) return sign | (uint16_t)rintf(kvq::bits_float(a) * 16777216.0f);
+  const uint32_t r = a + 0xfffu + ((a >> 13) & 1u);
+  return sign | (uint16_t)((r >> 13) - (112u << 10));
+}
+
+namespace kvq_avx512 { extern const TaskFn run_task; }
+namespace kvq_avx2 { extern const TaskFn run_task; }
+namespace kvq_scalar { extern const TaskFn run_task; }
+
+}  // namespace kvq_cpu

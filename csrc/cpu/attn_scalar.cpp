@@ -1,0 +1,129 @@
+// Paged attention, portable path: plain C++ "vectors" of 16 floats (the compiler uses
+// whatever the baseline target has). Same lane count as the AVX-512 path, so the tests
+// exercise attn_body.h's 16-lane logic (register blocking, transposed reductions) even on
+// machines without AVX-512. See attn_body.h.
+#include <math.h>
+#include <string.h>
+
+#include "attn_common.h"
+
+namespace kvq_cpu {
+namespace kvq_scalar {
+
+constexpr int W = 16;
+struct VF {
+  float v[W];
+};
+
+static inline VF vzero() { VF r; for (int i = 0; i < W; ++i) r.v[i] = 0.0f; return r; }
+static inline VF vset(float x) { VF r; for (int i = 0; i < W; ++i) r.v[i] = x; return r; }
+static inline VF vload(const float* p) { VF r; memcpy(r.v, p, sizeof(r.v)); return r; }
+static inline void vstore(float* p, VF v) { memcpy(p, v.v, sizeof(v.v)); }
+#define KVQ_EW(name, expr)                                        \
+  static inline VF name(VF a, VF b) {                             \
+    VF r;                                                         \
+    for (int i = 0; i < W; ++i) { const float x = a.v[i], y = b.v[i]; r.v[i] = (expr); } \
+    return r;                                                     \
+  }
+KVQ_EW(vadd, x + y)
+KVQ_EW(vsub, x - y)
+KVQ_EW(vmul, x * y)
+KVQ_EW(vmax, (x > y ? x : y))  // like maxps: y when either is NaN
+KVQ_EW(vmin, (x < y ? x : y))
+#undef KVQ_EW
+static inline VF vfma(VF a, VF b, VF c) {
+  VF r;
+  for (int i = 0; i < W; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i];  // no fma: baseline x86-64
+  return r;
+}
+static inline float vhsum(VF v) {
+  float s = 0.0f;
+  for (int i = 0; i < W; ++i) s += v.v[i];
+  return s;
+}
+static inline float vhmax(VF v) {
+  float s = v.v[0];
+  for (int i = 1; i < W; ++i) s = v.v[i] > s ? v.v[i] : s;
+  return s;
+}
+static inline float exp2_1(float x) {
+  float t = x > -125.0f ? x : -125.0f;
+  if (x != x) t = x;
+  t = t < 127.0f ? t : 127.0f;
+  if (x != x) return x;
+  const float n = rintf(t), f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const float r = kvq::bits_float(kvq::float_bits(p) + ((uint32_t)(int32_t)n << 23));
+  return x < -125.0f ? 0.0f : r;
+}
+static inline VF vexp2(VF x) {
+  VF r;
+  for (int i = 0; i < W; ++i) r.v[i] = exp2_1(x.v[i]);
+  return r;
+}
+static inline VF vreduce(const VF* a) {
+  VF r;
+  for (int k = 0; k < W; ++k) r.v[k] = vhsum(a[k]);
+  return r;
+}
+static inline VF ld_f16(const uint16_t* p) {
+  VF r;
+  for (int i = 0; i < W; ++i) r.v[i] = kvq::fp16_to_float(p[i]);
+  return r;
+}
+static inline VF ld_bf16(const uint16_t* p) {
+  VF r;
+  for (int i = 0; i < W; ++i) r.v[i] = kvq::bf16_to_float(p[i]);
+  return r;
+}
+static inline VF ld_u8(const uint8_t* p) {
+  VF r;
+  for (int i = 0; i < W; ++i) r.v[i] = (float)p[i];
+  return r;
+}
+static inline VF ld_u4(const uint8_t* p) {
+  VF r;
+  for (int i = 0; i < W; ++i) r.v[i] = (float)((p[i >> 1] >> ((i & 1) * 4)) & 15);
+  return r;
+}
+static inline VF ld_u2(const uint8_t* p) {
+  VF r;
+  for (int i = 0; i < W; ++i) r.v[i] = (float)((p[i >> 2] >> ((i & 3) * 2)) & 3);
+  return r;
+}
+static inline void ld_u4x2(const uint8_t* p, VF& a, VF& b) {
+  for (int i = 0; i < W; ++i) {
+    a.v[i] = (float)(p[i] & 15);
+    b.v[i] = (float)(p[i] >> 4);
+  }
+}
+static inline void ld_u2x2(const uint8_t* p, VF& a, VF& b) {
+  for (int i = 0; i < W; ++i) {
+    const int byte = p[i % (W / 2)], hi = i >= W / 2 ? 2 : 0;
+    a.v[i] = (float)((byte >> hi) & 3);
+    b.v[i] = (float)((byte >> (4 + hi)) & 3);
+  }
+}
+static inline VF ld_e4m3(const uint8_t* p) {  // value * 2^-8, like the SIMD paths
+  VF r;
+  for (int i = 0; i < W; ++i) r.v[i] = kvq::fp8_to_float(p[i], kvq::ENC_FP8_E4M3) * 0.00390625f;
+  return r;
+}
+static inline VF ld_e5m2(const uint8_t* p) {
+  VF r;
+  for (int i = 0; i < W; ++i) r.v[i] = kvq::fp8_to_float(p[i], kvq::ENC_FP8_E5M2);
+  return r;
+}
+
+#include "attn_body.h"
+
+const TaskFn run_task = &run_task_impl;
+
+}  // namespace kvq_scalar
+}  // namespace kvq_cpu

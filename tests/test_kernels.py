@@ -1,0 +1,544 @@
+"""CPU kernels (vllm_kvq.ops -> torch.ops.vllm_kvq) against the PyTorch reference.
+
+write_cache: the planes must be byte-identical to reference.write_cache (the only
+  exception: float-baseline NaN payloads, where torch's own fp32->bf16 cast is not
+  consistent, e.g. 0xFFFF vs 0x7FC0; there we require NaN where the reference has NaN).
+paged_attention: mixed batches (a prefill, chunked prefills continuing mid-block and across
+  a residual-chunk boundary, a sequence with no queries this step, decodes), shuffled block
+  tables over a cache filled with random garbage bytes, GQA 1/3/8, head sizes 64..256,
+  block sizes 16/32/128, residual R in {1, 32, 128} with staging, on every SIMD path this
+  CPU has (KVQ_SIMD, read by the kernels on every call).
+
+Non-finite inputs: quantized codecs store NaN as 0 and +-Inf as the group's extreme, so a
+NaN/Inf token never makes other tokens' outputs NaN (checked below). For the float
+baselines (bf16/fp16) the value is stored as is; queries whose softmax includes that token
+get NaN, exactly like the reference, and all other queries stay finite.
+"""
+from __future__ import annotations
+
+import math
+import os
+import zlib
+from contextlib import contextmanager
+
+import pytest
+import torch
+
+from vllm_kvq import ops, reference
+from vllm_kvq.formats import EXAMPLE_NAMES, parse_format
+
+pytest.importorskip("vllm_kvq._C")
+
+# --- formats ---------------------------------------------------------------------------
+WRITE_FORMATS = list(EXAMPLE_NAMES) + [
+    "int3_token", "int2_token", "int8_token_sym", "int4_group32_sym", "int3_group32",
+    "int4_channel32_sym_r32", "int2_channel16_r32", "fp8_e5m2_token", "fp8_e4m3_head",
+    "fp8_e5m2_head", "int8_tensor_sym", "int4_head_sym", "kivi4_r32", "kivi2_k16_g16_r32",
+]
+# Formats run through attention on the standard mixed batch.
+ATTN_FORMATS = list(EXAMPLE_NAMES) + [
+    "int3_token", "int2_token", "int8_token_sym", "int4_group32_sym", "fp8_e5m2_token",
+    "fp8_e4m3_head", "int8_tensor_sym", "kivi4_r32", "int8_token_r32", "bf16_r32",
+    "int3_group32",
+]
+DATA_KINDS = ["normal", "adversarial", "wide"]
+
+
+def _available_paths() -> list[str]:
+    out = []
+    for p in ("scalar", "avx2", "avx512"):
+        with simd(p):
+            if ops.simd_path() == p:
+                out.append(p)
+    return out
+
+
+@contextmanager
+def simd(path: str | None):
+    old = os.environ.get("KVQ_SIMD")
+    if path is None:
+        os.environ.pop("KVQ_SIMD", None)
+    else:
+        os.environ["KVQ_SIMD"] = path
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("KVQ_SIMD", None)
+        else:
+            os.environ["KVQ_SIMD"] = old
+
+
+PATHS = _available_paths()
+
+
+def _seed(*parts) -> int:
+    return zlib.crc32(repr(parts).encode()) % 2**31
+ALL_PATHS = ["scalar", "avx2", "avx512"]
+
+
+def _scales(fmt, H, gen):
+    """Static scales for tensor/head codecs (per head values differ)."""
+    out = []
+    for c in (fmt.key, fmt.value):
+        if not c.static_scale:
+            out.append(None)
+        elif c.granularity == "tensor":
+            out.append(torch.tensor([0.037 if c.encoding == "int" else 0.61]))
+        else:
+            out.append(0.02 + 0.05 * torch.rand(H, generator=gen) if c.encoding == "int"
+                       else 0.3 + torch.rand(H, generator=gen))
+    return out
+
+
+# --- data --------------------------------------------------------------------------------
+def make_tokens(kind: str, n: int, H: int, D: int, gen: torch.Generator) -> torch.Tensor:
+    x = torch.randn(n, H, D, generator=gen)
+    if kind == "adversarial":
+        if n > 0:
+            x[0] = 0.75                      # constant token: zero-range groups
+        if n > 1:
+            x[1, :, : D // 2] = -2.5         # zero-range groups in half the channels
+        if n > 2:
+            x[2, :, 5] = 1.0e4               # large outlier in one channel
+        if n > 3:
+            x[3, 0, 7] = float("nan")
+            x[3, -1, 0] = float("inf")
+        if n > 4:
+            x[4, :, 3] = float("-inf")
+            x[4, 0, 9] = float("inf")
+        if n > 5:
+            x[5] = torch.randn(H, D, generator=gen) * 1e-6   # tiny values (fp16 subnormal)
+        if n > 6:
+            x[6] = torch.randn(H, D, generator=gen) * 1e-40  # fp32 denormals
+        if n > 7:
+            x[7, :, :] = float("nan")                        # all-NaN token
+        x[:, :, 11] *= 300.0                                 # an outlier channel everywhere
+    elif kind == "wide":
+        mag = torch.exp(torch.empty(n, H, D).uniform_(math.log(1e-9), math.log(3e4),
+                                                      generator=gen))
+        x = torch.sign(x) * mag
+    return x + 0.0  # no -0.0: amin over {-0.0, 0.0} is order-dependent in torch
+
+
+def _canon_nan16(planes: torch.Tensor, enc: str) -> torch.Tensor:
+    v = planes.view(torch.int16).to(torch.int32) & 0xFFFF
+    if enc == "bf16":
+        nan = ((v & 0x7F80) == 0x7F80) & ((v & 0x7F) != 0)
+    else:
+        nan = ((v & 0x7C00) == 0x7C00) & ((v & 0x3FF) != 0)
+    return torch.where(nan, torch.full_like(v, -1), v)
+
+
+def assert_same_cache(mine: torch.Tensor, ref: torch.Tensor, fmt) -> None:
+    if fmt.key.is_float and fmt.value.is_float:
+        a = _canon_nan16(mine.contiguous(), fmt.key.encoding)
+        b = _canon_nan16(ref.contiguous(), fmt.key.encoding)
+        diff = (a != b).nonzero()
+        assert diff.numel() == 0, f"{diff.shape[0]} fp16 words differ, first at {diff[:5]}"
+        return
+    diff = (mine != ref).nonzero()
+    assert diff.numel() == 0, (
+        f"{diff.shape[0]} bytes differ; first (block, head, token, byte): {diff[:8].tolist()}")
+
+
+# --- write_cache -------------------------------------------------------------------------
+def _slots_for(fmt, N, nblocks, B, gen):
+    """A shuffled slot mapping with padding; per-channel codecs get whole aligned groups."""
+    G = max([c.group for c in (fmt.key, fmt.value) if c.granularity == "channel"] or [1])
+    ngroups = N // G
+    starts = torch.randperm(nblocks * B // G, generator=gen)[:ngroups] * G
+    slots = (starts[:, None] + torch.arange(G)).reshape(-1)
+    # padding entries (-1) between groups
+    out = []
+    for g in range(ngroups):
+        out.extend(slots[g * G:(g + 1) * G].tolist())
+        if g % 3 == 1:
+            out.append(-1)
+    return torch.tensor(out, dtype=torch.int64)
+
+
+WRITE_CASES = [(f, k, torch.float32) for f in WRITE_FORMATS for k in DATA_KINDS] + [
+    (f, "adversarial", dt) for f in ("bf16", "fp16", "fp8_e4m3_token", "int4_group32",
+                                     "kivi2", "int8_token", "fp8_e5m2")
+    for dt in (torch.bfloat16, torch.float16)
+]
+
+
+@pytest.mark.parametrize("name,kind,dtype", WRITE_CASES,
+                         ids=[f"{n}-{k}-{str(d)[6:]}" for n, k, d in WRITE_CASES])
+def test_write_cache_matches_reference(name, kind, dtype):
+    fmt = parse_format(name)
+    D, H = (96, 2) if name.startswith("int3") else (64, 2)
+    B = max(32, fmt.residual_chunk)
+    gen = torch.Generator().manual_seed(_seed(name, kind))
+    lay = fmt.layout(D, B)
+    nblocks = 6
+    slots = _slots_for(fmt, 128, nblocks, B, gen)
+    N = slots.numel()
+    # (+ 0: no -0.0 from the cast either; see make_tokens)
+    x = make_tokens(kind, N, H, D, gen).to(dtype) + 0
+    y = make_tokens(kind, N, H, D, gen).flip(0).to(dtype) + 0
+    ks, vs = _scales(fmt, H, gen)
+    init = torch.randint(0, 256, (nblocks, H, B, lay.token_bytes), dtype=torch.uint8,
+                         generator=gen)
+    ref = init.clone()
+    reference.write_cache(x, y, ref, slots, fmt, lay, ks, vs)
+    for path in PATHS:  # scalar rules and the AVX2 write path
+        mine = init.clone()
+        with simd(path):
+            ops.write_cache(x, y, mine, slots, fmt, ks, vs)
+        assert_same_cache(mine, ref, fmt)
+
+
+def test_write_cache_strided_inputs():
+    """key/value as views of a fused qkv tensor (vLLM passes such views)."""
+    fmt = parse_format("int4_group32")
+    D, B, H, N = 64, 16, 2, 20
+    gen = torch.Generator().manual_seed(3)
+    lay = fmt.layout(D, B)
+    qkv = torch.randn(N, 3 * H, D, generator=gen)
+    k, v = qkv[:, H:2 * H], qkv[:, 2 * H:]
+    slots = torch.randperm(4 * B, generator=gen)[:N]
+    ref = torch.zeros(4, H, B, lay.token_bytes, dtype=torch.uint8)
+    reference.write_cache(k.contiguous(), v.contiguous(), ref, slots, fmt, lay)
+    mine = torch.zeros_like(ref)
+    ops.write_cache(k, v, mine, slots, fmt)
+    assert torch.equal(mine, ref)
+
+
+@pytest.mark.parametrize("bad", ["misaligned", "partial", "gap"])
+def test_write_cache_channel_group_errors(bad):
+    fmt = parse_format("kivi4")
+    D, B, H = 64, 128, 1
+    lay = fmt.layout(D, B)
+    cache = torch.zeros(2, H, B, lay.token_bytes, dtype=torch.uint8)
+    if bad == "misaligned":
+        slots = torch.arange(5, 37)
+    elif bad == "partial":
+        slots = torch.arange(0, 20)
+    else:
+        slots = torch.cat([torch.arange(0, 16), torch.tensor([-1]), torch.arange(16, 32)])
+    x = torch.randn(slots.numel(), H, D)
+    with pytest.raises(ValueError, match="whole aligned groups of 32"):
+        ops.write_cache(x, x, cache, slots, fmt)
+    assert cache.count_nonzero() == 0
+    # The C++ op checks the same before writing anything.
+    with pytest.raises(RuntimeError, match="whole aligned groups of 32"):
+        torch.ops.vllm_kvq.write_cache(x, x, cache, slots, fmt.key.as_ints(),
+                                       fmt.value.as_ints(), torch.ones(H), torch.ones(H))
+    assert cache.count_nonzero() == 0
+
+
+def test_write_cache_argument_errors():
+    fmt = parse_format("int4_token")
+    D, B, H = 64, 16, 2
+    lay = fmt.layout(D, B)
+    cache = torch.zeros(2, H, B, lay.token_bytes, dtype=torch.uint8)
+    x = torch.randn(4, H, D)
+    s = torch.arange(4)
+    with pytest.raises(ValueError, match="C=" + str(lay.token_bytes)):
+        ops.write_cache(x, x, torch.zeros(2, H, B, lay.token_bytes + 1, dtype=torch.uint8),
+                        s, fmt)
+    with pytest.raises(ValueError, match="dtype"):
+        ops.write_cache(x.double(), x.double(), cache, s, fmt)
+    with pytest.raises(ValueError, match="head_dim"):
+        ops.write_cache(torch.randn(4, H, 48), torch.randn(4, H, 48), cache, s, fmt)
+    with pytest.raises(ValueError, match="kv heads"):
+        ops.write_cache(torch.randn(4, 3, D), torch.randn(4, 3, D), cache, s, fmt)
+    with pytest.raises(ValueError, match="k_scale is required"):
+        f2 = parse_format("int8_tensor_sym")
+        c2 = torch.zeros(2, H, B, f2.layout(D, B).token_bytes, dtype=torch.uint8)
+        ops.write_cache(x, x, c2, s, f2)
+    from vllm_kvq.formats import Codec, KVFormat
+    outl = KVFormat("x", Codec("int", 4, "token", outliers=2), Codec("int", 4, "token"))
+    with pytest.raises(ValueError, match="outliers=2 are not implemented"):
+        ops.write_cache(x, x, cache, s, outl)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        ops.write_cache(x, x, cache, torch.tensor([0, 1, 2, 2 * B]), fmt)
+
+
+# --- attention -----------------------------------------------------------------------------
+# (seq_len, queries this step): prefill; chunk continuing mid-block; no queries; decode;
+# chunk crossing R=128 and R=32 boundaries; long decode.
+SEQS = [(40, 40), (90, 25), (20, 0), (61, 1), (270, 30), (300, 1)]
+
+
+def build_case(name, D, B, gq, H, dtype, seqs=SEQS, seed=0, kind="normal", extra_rows=3):
+    """Cache written with ops.write_cache (byte-identical to the reference, tested above),
+    staging rows for positions >= floor((first+1)/R)*R, shuffled block tables."""
+    fmt = parse_format(name)
+    lay = fmt.layout(D, B)
+    R = fmt.residual_chunk
+    gen = torch.Generator().manual_seed(seed)
+    S = len(seqs)
+    nblk = [(L + B - 1) // B for L, _ in seqs]
+    total_blocks = sum(nblk) + 3
+    perm = torch.randperm(total_blocks, generator=gen)
+    maxb = max(nblk) + 1
+    block_table = torch.full((S, maxb), 10**6, dtype=torch.int32)  # unused entries: garbage
+    cache = torch.randint(0, 256, (total_blocks, H, B, lay.token_bytes), dtype=torch.uint8,
+                          generator=gen)
+    ks, vs = _scales(fmt, H, gen)
+    queries, stk, stv, st_loc, st_pos0 = [], [], [], [0], []
+    qsl = [0]
+    used = 0
+    for s, (L, nq) in enumerate(seqs):
+        block_table[s, :nblk[s]] = perm[used:used + nblk[s]].to(torch.int32)
+        used += nblk[s]
+        k = make_tokens(kind, L, H, D, gen).to(dtype)
+        v = make_tokens(kind, L, H, D, gen).to(dtype)
+        if kind == "adversarial":  # the special tokens land mid-sequence
+            k, v = k.roll(L // 3, 0), v.roll(L // 3, 0)
+        Fp = L // R * R  # positions < Fp are in the pages
+        if Fp:
+            pos = torch.arange(Fp)
+            slots = block_table[s, pos // B].to(torch.int64) * B + pos % B
+            ops.write_cache(k[:Fp], v[:Fp], cache, slots, fmt, ks, vs)
+        first = L - nq
+        p0 = min((first + 1) // R * R, L) if R > 1 else L
+        st_pos0.append(p0)
+        stk.append(k[p0:])
+        stv.append(v[p0:])
+        st_loc.append(st_loc[-1] + (L - p0))
+        queries.append(torch.randn(nq, H * gq, D, generator=gen).to(dtype))
+        qsl.append(qsl[-1] + nq)
+    q = torch.cat(queries + [torch.randn(extra_rows, H * gq, D, generator=gen).to(dtype)])
+    case = dict(fmt=fmt, lay=lay, query=q, cache=cache, block_table=block_table,
+                seq_lens=torch.tensor([L for L, _ in seqs], dtype=torch.int32),
+                query_start_loc=torch.tensor(qsl, dtype=torch.int32),
+                softmax_scale=D ** -0.5, k_scale=ks, v_scale=vs)
+    if R > 1:
+        case.update(staging_k=torch.cat(stk), staging_v=torch.cat(stv),
+                    staging_start_loc=torch.tensor(st_loc, dtype=torch.int32),
+                    staging_pos0=torch.tensor(st_pos0, dtype=torch.int32))
+    return case
+
+
+def run_ref(c):
+    return reference.paged_attention(
+        c["query"], c["cache"], c["block_table"], c["seq_lens"], c["query_start_loc"],
+        c["fmt"], c["lay"], c["softmax_scale"], c["k_scale"], c["v_scale"],
+        c.get("staging_k"), c.get("staging_v"), c.get("staging_start_loc"),
+        c.get("staging_pos0"))
+
+
+def run_mine(c, path=None, **over):
+    args = dict(c)
+    args.update(over)
+    sentinel = torch.full_like(args["query"], 7.0)
+    with simd(path):
+        out = ops.paged_attention(
+            args["query"], args["cache"], args["block_table"], args["seq_lens"],
+            args["query_start_loc"], args["fmt"], args["softmax_scale"], args["k_scale"],
+            args["v_scale"], args.get("staging_k"), args.get("staging_v"),
+            args.get("staging_start_loc"), args.get("staging_pos0"), out=sentinel)
+    n = int(args["query_start_loc"][-1])
+    assert torch.all(out[n:] == 7.0), "rows past query_start_loc[-1] must be left untouched"
+    return out[:n]
+
+
+def assert_attn_close(mine, ref, dtype, scale=1.0, what=""):
+    """fp32: a few ulps of accumulated rounding; fp16/bf16: one ulp of the output dtype."""
+    ref = ref[:mine.shape[0]].float()
+    mine = mine.float()
+    nan_ref, nan_mine = torch.isnan(ref), torch.isnan(mine)
+    assert torch.equal(nan_ref, nan_mine), f"{what}: NaN pattern differs"
+    rel = {torch.float32: 2e-5, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}[dtype]
+    atol = {torch.float32: 2e-5, torch.float16: 2e-4, torch.bfloat16: 2e-3}[dtype] * scale
+    ok = ~nan_ref
+    err = (mine[ok] - ref[ok]).abs()
+    bound = atol + rel * ref[ok].abs()
+    worst = (err - bound).max().item() if err.numel() else -1
+    assert worst <= 0, (f"{what}: max err {err.max().item():.3g} exceeds tolerance "
+                        f"(atol {atol:.2g}, rtol {rel:.2g})")
+
+
+def _geom(name):
+    """(D, B) that the format allows for the standard batch."""
+    R = parse_format(name).residual_chunk
+    return 64, max(32, R)
+
+
+ATTN_CASES = [(n, dt) for n in ATTN_FORMATS for dt in (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("name,dtype", ATTN_CASES,
+                         ids=[f"{n}-{str(d)[6:]}" for n, d in ATTN_CASES])
+def test_attention_formats(name, dtype):
+    D, B = _geom(name)
+    c = build_case(name, D, B, gq=3, H=2, dtype=dtype, seed=_seed(name))
+    ref = run_ref(c)
+    for path in PATHS:
+        assert_attn_close(run_mine(c, path), ref, dtype, what=f"{name} {path}")
+
+
+# Head sizes x block sizes x GQA ratios, spread over a few formats (Latin square).
+SHAPES = [(64, 16, 1), (64, 32, 8), (64, 128, 3), (128, 16, 3), (128, 32, 1), (128, 128, 8),
+          (256, 16, 8), (256, 32, 3), (256, 128, 1), (80, 32, 3), (96, 16, 8), (192, 32, 1)]
+SHAPE_FORMATS = ["bf16", "int4_group{g}", "kivi2{r}", "fp8_e4m3_token", "int8_channel{G}{r}",
+                 "int3_token"]
+
+
+def _shape_format(t, D, B):
+    g = 32 if D % 32 == 0 else 16
+    if "{r}" in t:
+        if B < 32:
+            return None
+        r = "" if B == 128 else "_r32"
+        if t.startswith("kivi"):
+            return f"kivi2_g{g}{r}"
+        return t.format(G=32, r=r if r else "_r128")
+    return t.format(g=g)
+
+
+SHAPE_CASES = []
+for i, (D, B, gq) in enumerate(SHAPES):
+    for j, t in enumerate(SHAPE_FORMATS):
+        if (i + j) % 2:
+            continue  # half of the cross product keeps the file fast
+        n = _shape_format(t, D, B)
+        if n:
+            SHAPE_CASES.append((n, D, B, gq, torch.float16 if (i + j) % 4 == 0 else
+                                torch.float32))
+
+
+@pytest.mark.parametrize("name,D,B,gq,dtype", SHAPE_CASES,
+                         ids=[f"{n}-D{D}-B{B}-gq{g}-{str(d)[6:]}" for n, D, B, g, d in
+                              SHAPE_CASES])
+def test_attention_shapes(name, D, B, gq, dtype):
+    seqs = [(33, 33), (70, 9), (129, 1), (290, 1)] if B == 128 else \
+        [(33, 33), (70, 9), (129, 1)]
+    c = build_case(name, D, B, gq=gq, H=2, dtype=dtype, seqs=seqs, seed=D + B + gq)
+    ref = run_ref(c)
+    for path in PATHS:
+        assert_attn_close(run_mine(c, path), ref, dtype, what=f"{name} {path}")
+
+
+@pytest.mark.parametrize("name", ["int4_group32", "kivi4", "fp8_e4m3", "bf16", "int2_token"])
+def test_attention_adversarial(name):
+    """Constant tokens, outliers of 1e4, NaN/Inf tokens, denormals. Logits reach ~1e3, so
+    fp32 summation order alone moves outputs by ~1e-3 of |V|: tolerance relative to max|V|.
+    """
+    D, B = _geom(name)
+    c = build_case(name, D, B, gq=2, H=2, dtype=torch.float32, kind="adversarial", seed=5)
+    ref = run_ref(c)
+    fmt = c["fmt"]
+    for path in PATHS:
+        out = run_mine(c, path)
+        if not fmt.key.is_float and fmt.residual_chunk == 1:
+            # (with R > 1 the window is full precision: NaN there reaches the queries that
+            # attend it, like the reference, checked just below)
+            assert torch.isfinite(out).all(), f"{path}: quantized formats never give NaN/Inf"
+        finite = torch.isfinite(ref[:out.shape[0]])
+        assert torch.equal(finite, torch.isfinite(out))
+        err = (out - ref[:out.shape[0]]).abs()[finite]
+        assert err.max().item() <= 2e-3 * max(1.0, ref[:out.shape[0]][finite].abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["int8_token", "int4_group32_r128", "bf16", "fp8_e4m3"])
+def test_attention_nan_token_isolated(name):
+    """A NaN in one token's K and V (prefill of 64 tokens, token 20)."""
+    fmt = parse_format(name)
+    D, B, H, gq, L = 64, max(32, fmt.residual_chunk), 1, 2, 64
+    c = build_case(name, D, B, gq=gq, H=H, dtype=torch.float32, seqs=[(L, L)], seed=11)
+    # Rebuild the sequence with a NaN token 20 in both pages and staging.
+    gen = torch.Generator().manual_seed(12)
+    k, v = torch.randn(L, H, D, generator=gen), torch.randn(L, H, D, generator=gen)
+    k[20, 0, 3] = float("nan")
+    v[20, 0, 5] = float("nan")
+    R = fmt.residual_chunk
+    Fp = L // R * R
+    bt = c["block_table"][0]
+    if Fp:
+        pos = torch.arange(Fp)
+        ops.write_cache(k[:Fp], v[:Fp], c["cache"], bt[pos // B].long() * B + pos % B, fmt)
+    if R > 1:
+        c["staging_k"], c["staging_v"] = k.clone(), v.clone()
+    ref = run_ref(c)
+    for path in PATHS:
+        out = run_mine(c, path)
+        if fmt.key.is_float:
+            # The float baseline keeps the NaN: exactly the queries that see token 20 are NaN.
+            assert torch.isnan(out[20:]).all() and torch.isfinite(out[:20]).all()
+        elif R > 1:
+            # Token 20 is in the full-precision window for all 64 queries (R=128 > 64).
+            assert torch.isnan(out[20:]).all() and torch.isfinite(out[:20]).all()
+        else:
+            assert torch.isfinite(out).all(), "NaN is stored as code 0: no NaN output"
+        assert_attn_close(out, ref, torch.float32, what=f"{name} {path}")
+
+
+def test_attention_split_long_context():
+    """Few (sequence, head) tasks and long contexts: the flash-decoding split + log-sum-exp
+    reduction; also a decode whose last block is partially filled."""
+    name = "int4_group32"
+    c = build_case(name, 128, 32, gq=4, H=1, dtype=torch.float32,
+                   seqs=[(2113, 1), (1500, 2)], seed=21)
+    ref = run_ref(c)
+    old = torch.get_num_threads()
+    torch.set_num_threads(4)  # 2 tasks < 2 * threads: each context is split into 4 parts
+    try:
+        for path in PATHS:
+            assert_attn_close(run_mine(c, path), ref, torch.float32, what=path)
+    finally:
+        torch.set_num_threads(old)
+
+
+def test_attention_detects_wrong_scale():
+    """The tolerances are tight: a 1% static scale error or one corrupted stored scale is
+    caught."""
+    name = "fp8_e4m3"
+    c = build_case(name, 64, 32, gq=2, H=2, dtype=torch.float32, seed=31)
+    ref = run_ref(c)
+    assert_attn_close(run_mine(c), ref, torch.float32)
+    with pytest.raises(AssertionError):
+        assert_attn_close(run_mine(c, v_scale=c["v_scale"] * 1.01), ref, torch.float32)
+    c2 = build_case("int4_token", 64, 32, gq=2, H=2, dtype=torch.float32, seed=32)
+    ref2 = run_ref(c2)
+    lay = c2["lay"]
+    blk = int(c2["block_table"][4, 0])
+    plane = c2["cache"].view(c2["cache"].shape[0], 2, -1)[blk, 1]
+    plane[lay.k["scale_off"] + 2 * 3 + 1] ^= 0x04  # token 3's key scale, one exponent bit
+    with pytest.raises(AssertionError):
+        assert_attn_close(run_mine(c2), ref2, torch.float32)
+
+
+def test_attention_every_path_listed():
+    """Which SIMD paths ran here (others are skipped on this CPU); scalar always exists."""
+    assert "scalar" in PATHS
+    assert ops.simd_path() == PATHS[-1]
+    with simd("scalar"):
+        assert ops.simd_path() == "scalar"
+
+
+@pytest.mark.parametrize("path", ALL_PATHS)
+def test_attention_path_smoke(path):
+    if path not in PATHS:
+        pytest.skip(f"this CPU has no {path}")
+    c = build_case("kivi2", 128, 128, gq=8, H=1, dtype=torch.bfloat16,
+                   seqs=[(150, 150), (300, 1)], seed=41)
+    assert_attn_close(run_mine(c, path), run_ref(c), torch.bfloat16, what=path)
+
+
+def test_attention_argument_errors():
+    c = build_case("int4_token", 64, 32, gq=2, H=2, dtype=torch.float32,
+                   seqs=[(40, 1)], seed=51)
+    with pytest.raises(ValueError, match="multiple of the cache's kv heads"):
+        run_mine(c, query=torch.randn(2, 3, 64))
+    with pytest.raises(ValueError, match="head_dim"):
+        run_mine(c, query=torch.randn(2, 4, 48))
+    with pytest.raises(ValueError, match="C="):
+        run_mine(c, fmt=parse_format("int8_token"))
+    with pytest.raises(ValueError, match="query_start_loc must have"):
+        run_mine(c, query_start_loc=torch.tensor([0], dtype=torch.int32))
+    with pytest.raises(ValueError, match="dtype"):
+        run_mine(c, query=c["query"].double())
+    fr = parse_format("int4_token_r32")
+    lay = fr.layout(64, 32)
+    with pytest.raises(ValueError, match="staging_k"):
+        run_mine(c, fmt=fr, cache=torch.zeros(4, 2, 32, lay.token_bytes, dtype=torch.uint8))
+    with pytest.raises(RuntimeError, match="block_table"):
+        bt = c["block_table"].clone()
+        bt[0, 0] = 10**6
+        run_mine(c, block_table=bt)

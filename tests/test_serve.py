@@ -1,0 +1,115 @@
+"""`vllm-kvq serve`: vLLM's own OpenAI server with our backend, talked to with `openai`."""
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from conftest import run_engine
+
+from vllm_kvq.cli import serve_command
+from vllm_kvq.evaluate import GREEDY_PROMPTS
+from vllm_kvq.formats import FormatError
+
+pytestmark = pytest.mark.e2e
+API_KEY = "kvq-test-key"
+METHODS = ["fp8_e4m3", "int8_token", "int8_group32", "int4_group32", "kivi4", "kivi2"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def server(method: str):
+    port = free_port()
+    exe = shutil.which("vllm-kvq") or os.path.join(os.path.dirname(sys.executable), "vllm-kvq")
+    cmd = [exe, "serve", "--kv-method", method, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "2048",
+           "--kv-cache-memory-bytes", str(256 << 20), "--api-key", API_KEY, "--seed", "0"]
+    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kvq-serve-{method}.log"), "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 600
+        while True:
+            if proc.poll() is not None:
+                log.flush()
+                raise AssertionError(f"server exited {proc.returncode}: "
+                                     f"{open(log.name).read()[-4000:]}")
+            try:
+                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.time() < deadline, "server did not become healthy"
+            time.sleep(2)
+        yield base
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def client(base: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_served_greedy_equals_offline_generate(method):
+    offline = run_engine("quality", method)["greedy"]
+    with server(method) as base:
+        c = client(base)
+        model = c.models.list().data[0].id
+        for prompt, want in zip(GREEDY_PROMPTS, offline):
+            r = c.completions.create(model=model, prompt=prompt, max_tokens=24,
+                                     temperature=0.0, extra_body={"return_token_ids": True})
+            assert r.choices[0].token_ids == want, prompt
+
+
+def test_openai_api_and_bad_input_on_a_quantized_cache():
+    with server("kivi2") as base:
+        c = client(base)
+        model = c.models.list().data[0].id
+        chat = c.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=16, temperature=0.0)
+        assert "Paris" in chat.choices[0].message.content
+        stream = c.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "Count to five."}],
+            max_tokens=16, temperature=0.0, stream=True)
+        pieces = [ch.choices[0].delta.content or "" for ch in stream if ch.choices]
+        assert len(pieces) > 3 and "".join(pieces).strip()
+        # bad input: the proper 4xx, and the server keeps serving
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
+        with pytest.raises(openai.NotFoundError):
+            c.completions.create(model="no-such-model", prompt="hi", max_tokens=4)
+        with pytest.raises(openai.BadRequestError):
+            c.completions.create(model=model, prompt="hi", max_tokens=-1)
+        with pytest.raises(openai.BadRequestError):
+            c.completions.create(model=model, prompt="word " * 5000, max_tokens=4)
+        r = httpx.post(f"{base}/v1/completions", content=b"{not json",
+                       headers={"Authorization": f"Bearer {API_KEY}",
+                                "Content-Type": "application/json"})
+        assert 400 <= r.status_code < 500
+        metrics = httpx.get(f"{base}/metrics").text
+        assert "vllm:num_requests_running" in metrics
+        again = c.completions.create(model=model, prompt="The capital of France is",
+                                     max_tokens=8, temperature=0.0)
+        assert "Paris" in again.choices[0].text
+
+
+def test_serve_rejects_a_bad_method_before_vllm_starts():
+    with pytest.raises(FormatError, match="kvq.method='int5_group32'"):
+        serve_command("/model", {"method": "int5_group32"}, [])

@@ -1,0 +1,253 @@
+"""Python entry points of the kernels (torch.ops.vllm_kvq.*), with argument checks.
+
+Every check that needs only shapes, dtypes and the format runs here first and raises
+ValueError naming the value and what is allowed, before any kernel runs. Checks that need
+tensor contents (block ids in range, whole per-channel groups in slot_mapping, staging rows
+present) are done again by the C++ ops, also before they write anything.
+
+Semantics are those of vllm_kvq/reference.py (write_cache, paged_attention).
+"""
+from __future__ import annotations
+
+import torch
+
+from vllm_kvq.formats import SUPPORTED_HEAD_SIZES, Codec, KVFormat, Layout
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+_loaded = False
+
+
+def _ops():
+    global _loaded
+    if not _loaded:
+        import vllm_kvq._C  # noqa: F401  -- registers torch.ops.vllm_kvq
+        _loaded = True
+    return torch.ops.vllm_kvq
+
+
+def simd_path() -> str:
+    """The CPU SIMD path the kernels use now ("avx512", "avx2" or "scalar"); the env var
+    KVQ_SIMD=scalar|avx2|avx512 lowers it (read on every call)."""
+    _ops()
+    from vllm_kvq import _C
+    return _C.simd_path()
+
+
+def _fail(msg: str):
+    raise ValueError(msg)
+
+
+def _check_float(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in FLOAT_DTYPES:
+        _fail(f"{name}.dtype={t.dtype} is not allowed; allowed: float32, float16, bfloat16")
+
+
+def _check_index(name: str, t, dims: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        _fail(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in INDEX_DTYPES:
+        _fail(f"{name}.dtype={t.dtype} is not allowed; allowed: int32, int64")
+    if t.dim() != dims:
+        _fail(f"{name} must have {dims} dims, got shape {tuple(t.shape)}")
+
+
+def _check_codec(fmt: KVFormat) -> None:
+    for side, c in (("key", fmt.key), ("value", fmt.value)):
+        if c.outliers:
+            _fail(f"format {fmt.name!r}: {side} outliers={c.outliers} are not implemented "
+                  f"yet; allowed: 0")
+        if c.encoding == "nuq":
+            _fail(f"format {fmt.name!r}: {side} encoding 'nuq' is not implemented yet; allowed: "
+                  f"fp16, bf16, fp8_e4m3, fp8_e5m2, int")
+        if c.granularity == "channel" and fmt.residual_chunk % c.group:
+            _fail(f"format {fmt.name!r}: per-channel {side} groups of {c.group} tokens need "
+                  f"residual_tokens a positive multiple of {c.group}, got "
+                  f"{fmt.residual_tokens}")
+
+
+def _check_cache(cache, fmt: KVFormat, head_dim: int, num_kv_heads: int | None) -> Layout:
+    if not isinstance(cache, torch.Tensor):
+        _fail(f"cache must be a torch.Tensor, got {type(cache).__name__}")
+    if cache.dtype != torch.uint8 or cache.dim() != 4:
+        _fail(f"cache must be uint8 [num_blocks, num_kv_heads, block_size, C], got "
+              f"{cache.dtype} {tuple(cache.shape)}")
+    if head_dim not in SUPPORTED_HEAD_SIZES:
+        _fail(f"head_dim={head_dim} is not allowed; allowed: "
+              f"{', '.join(map(str, SUPPORTED_HEAD_SIZES))}")
+    _check_codec(fmt)
+    block_size = cache.shape[2]
+    layout = fmt.layout(head_dim, block_size)  # FormatError (a ValueError) if not allowed
+    if cache.shape[3] != layout.token_bytes:
+        _fail(f"cache last dim is {cache.shape[3]} bytes, but format {fmt.name!r} with "
+              f"head_dim {head_dim} and block_size {block_size} needs "
+              f"C={layout.token_bytes}")
+    if num_kv_heads is not None and cache.shape[1] != num_kv_heads:
+        _fail(f"cache has {cache.shape[1]} kv heads, the tensors have {num_kv_heads}")
+    if cache.stride(3) != 1 or cache.stride(2) != cache.shape[3] or \
+            cache.stride(1) < block_size * cache.shape[3]:
+        _fail("each (block, kv_head) plane of the cache must be contiguous "
+              f"(strides {cache.stride()})")
+    return layout
+
+
+def _static_scales(s, codec: Codec, H: int, name: str, device) -> torch.Tensor:
+    """fp32 [H]: the static per-tensor/per-head scale of a tensor/head codec, else ones."""
+    if not codec.static_scale:
+        return torch.ones(H, dtype=torch.float32, device=device)
+    if s is None:
+        if codec.encoding == "int":
+            _fail(f"{name} is required for the static symmetric int codec "
+                  f"{codec.describe()} (a float or H={H} floats)")
+        return torch.ones(H, dtype=torch.float32, device=device)
+    t = torch.as_tensor(s, dtype=torch.float32).reshape(-1)
+    if t.numel() not in (1, H):
+        _fail(f"{name} has {t.numel()} values; allowed: 1 or H={H}")
+    if codec.granularity == "head" and t.numel() != H and H != 1:
+        _fail(f"{name}: codec {codec.describe()} needs one scale per kv head (H={H}), got 1")
+    if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+        _fail(f"{name} must be finite and > 0, got {t.tolist()}")
+    return t.expand(H).contiguous().to(device)
+
+
+def _check_channel_groups(slot_mapping: torch.Tensor, codec: Codec, side: str) -> None:
+    """Per-channel codecs: every entry with a slot must be in a whole aligned group of G
+    consecutive slots (the same rule as the reference)."""
+    G = codec.group
+    slots = slot_mapping.tolist()
+    i, n = 0, len(slots)
+    while i < n:
+        s = slots[i]
+        if s < 0:
+            i += 1
+            continue
+        if s % G or slots[i:i + G] != list(range(s, s + G)):
+            _fail(f"per-channel {side} codec needs whole aligned groups of {G} slots; "
+                  f"entry {i} (slot {s}) starts none")
+        i += G
+
+
+def write_cache(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
+                slot_mapping: torch.Tensor, fmt: KVFormat, k_scale=None, v_scale=None) -> None:
+    """Quantize key/value [N, H, D] into their slots of cache (slot -1 = padding).
+
+    Rows of key/value beyond len(slot_mapping) are ignored (vLLM pads them).
+    k_scale/v_scale: static scales of tensor/head codecs (float or [H]); fp8 defaults to 1.0,
+    static int codecs require them.
+    """
+    _check_float("key", key)
+    _check_float("value", value)
+    if key.dim() != 3:
+        _fail(f"key must be [N, H, D], got shape {tuple(key.shape)}")
+    _check_index("slot_mapping", slot_mapping, 1)
+    n = slot_mapping.shape[0]
+    if key.shape[0] < n or value.shape[0] < n:
+        _fail(f"slot_mapping has {n} entries but key/value have {key.shape[0]}/"
+              f"{value.shape[0]} rows")
+    key, value = key[:n], value[:n]
+    if value.shape != key.shape:
+        _fail(f"value shape {tuple(value.shape)} must equal key shape {tuple(key.shape)}")
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        _fail("key/value last dim must be contiguous")
+    H, D = key.shape[1], key.shape[2]
+    _check_cache(cache, fmt, D, H)
+    if not (key.device == value.device == cache.device == slot_mapping.device):
+        _fail(f"key, value, cache and slot_mapping must be on one device, got {key.device}, "
+              f"{value.device}, {cache.device}, {slot_mapping.device}")
+    ks = _static_scales(k_scale, fmt.key, H, "k_scale", cache.device)
+    vs = _static_scales(v_scale, fmt.value, H, "v_scale", cache.device)
+    if slot_mapping.device.type == "cpu":
+        for side, c in (("key", fmt.key), ("value", fmt.value)):
+            if c.granularity == "channel":
+                _check_channel_groups(slot_mapping, c, side)
+    _ops().write_cache(key, value, cache, slot_mapping, fmt.key.as_ints(),
+                       fmt.value.as_ints(), ks, vs)
+
+
+def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+                    seq_lens: torch.Tensor, query_start_loc: torch.Tensor, fmt: KVFormat,
+                    softmax_scale: float, k_scale=None, v_scale=None,
+                    staging_k: torch.Tensor | None = None,
+                    staging_v: torch.Tensor | None = None,
+                    staging_start_loc: torch.Tensor | None = None,
+                    staging_pos0: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of a mixed batch over the quantized paged cache (see reference.py).
+
+    query [T, Hq, D]; block_table int32 [S, max_blocks]; seq_lens int32 [S] (incl. this
+    step's tokens); query_start_loc int32 [S+1]. Only the first query_start_loc[-1] rows of
+    out are written. With fmt.residual_chunk R > 1, a query at position p reads positions
+    >= floor((p+1)/R)*R from staging_k/v [Ns, H, D] rows staging_start_loc[s] +
+    (pos - staging_pos0[s]); with R == 1 staging is not used (may be None).
+    """
+    _check_float("query", query)
+    if query.dim() != 3:
+        _fail(f"query must be [T, Hq, D], got shape {tuple(query.shape)}")
+    T, Hq, D = query.shape
+    _check_cache(cache, fmt, D, None)
+    H = cache.shape[1]
+    if Hq % H:
+        _fail(f"query heads Hq={Hq} must be a multiple of the cache's kv heads H={H}")
+    if query.stride(-1) != 1:
+        _fail("query last dim must be contiguous")
+    _check_index("block_table", block_table, 2)
+    _check_index("seq_lens", seq_lens, 1)
+    _check_index("query_start_loc", query_start_loc, 1)
+    S = seq_lens.shape[0]
+    if query_start_loc.shape[0] != S + 1:
+        _fail(f"query_start_loc must have S+1={S + 1} entries, got {query_start_loc.shape[0]}")
+    if block_table.shape[0] < S:
+        _fail(f"block_table has {block_table.shape[0]} rows, need S={S}")
+    softmax_scale = float(softmax_scale)
+    if not softmax_scale > 0 or softmax_scale == float("inf"):
+        _fail(f"softmax_scale={softmax_scale} must be finite and > 0")
+    if block_table.dtype != torch.int32:
+        block_table = block_table.to(torch.int32)
+    if seq_lens.dtype != torch.int32:
+        seq_lens = seq_lens.to(torch.int32)
+    if query_start_loc.dtype != torch.int32:
+        query_start_loc = query_start_loc.to(torch.int32)
+
+    R = fmt.residual_chunk
+    dev = query.device
+    if R == 1:
+        staging_k = torch.empty(0, H, D, dtype=query.dtype, device=dev)
+        staging_v = staging_k
+        staging_start_loc = torch.zeros(S + 1, dtype=torch.int32, device=dev)
+        staging_pos0 = torch.zeros(S, dtype=torch.int32, device=dev)
+    else:
+        if staging_k is None or staging_v is None or staging_start_loc is None or \
+                staging_pos0 is None:
+            _fail(f"format {fmt.name!r} keeps the last <{R} tokens in full precision: "
+                  f"staging_k, staging_v, staging_start_loc and staging_pos0 are required")
+        for name, t in (("staging_k", staging_k), ("staging_v", staging_v)):
+            _check_float(name, t)
+            if t.dim() != 3 or t.shape[1] != H or t.shape[2] != D:
+                _fail(f"{name} must be [Ns, H={H}, D={D}], got {tuple(t.shape)}")
+            if t.stride(-1) != 1:
+                _fail(f"{name} last dim must be contiguous")
+        if staging_v.shape != staging_k.shape or staging_v.dtype != staging_k.dtype:
+            _fail("staging_k and staging_v must have the same shape and dtype")
+        _check_index("staging_start_loc", staging_start_loc, 1)
+        _check_index("staging_pos0", staging_pos0, 1)
+        if staging_start_loc.shape[0] < S or staging_pos0.shape[0] < S:
+            _fail(f"staging_start_loc / staging_pos0 need S={S} entries")
+        staging_start_loc = staging_start_loc.to(torch.int32)
+        staging_pos0 = staging_pos0.to(torch.int32)
+    ks = _static_scales(k_scale, fmt.key, H, "k_scale", cache.device)
+    vs = _static_scales(v_scale, fmt.value, H, "v_scale", cache.device)
+    if out is None:
+        out = torch.zeros_like(query)
+    else:
+        if out.shape != query.shape or out.dtype != query.dtype:
+            _fail(f"out must be {tuple(query.shape)} {query.dtype}, got {tuple(out.shape)} "
+                  f"{out.dtype}")
+        if out.stride(-1) != 1:
+            _fail("out last dim must be contiguous")
+    _ops().paged_attention(out, query, cache, block_table, seq_lens, query_start_loc,
+                           staging_k, staging_v, staging_start_loc, staging_pos0, R,
+                           softmax_scale, fmt.key.as_ints(), fmt.value.as_ints(), ks, vs)
+    return out
