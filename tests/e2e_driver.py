@@ -8,7 +8,7 @@ import os
 import sys
 
 from vllm_kvq.evaluate import (GREEDY_PROMPTS, capacity, default_windows, engine_kwargs,
-                               greedy, run_method)
+                               greedy, greedy_with_margins, run_method)
 from vllm_kvq.model_prep import ensure_default_model
 
 # The quality windows: >= 4k tokens of real text (4 x 1024).
@@ -36,10 +36,11 @@ def main():
         from vllm import LLM
 
         budget = extra.pop("kv_budget", 256 << 20)
+        extra.setdefault("disable_log_stats", False)  # preemption counts
         llm = LLM(**engine_kwargs(method, model, budget, 2048, **extra))
         result = {"method": method, **capacity(llm)}
         if scenario == "short":
-            result["greedy"] = greedy(llm, GREEDY_PROMPTS, max_tokens=32)
+            result["greedy"], result["margins"] = greedy_with_margins(llm, GREEDY_PROMPTS, 32)
         elif scenario == "greedy":
             prompts = [{"prompt_token_ids": p} for p in shared_prefix_prompts(windows)]
             # twice: with prefix caching on, the second round is served from cached blocks

@@ -9,32 +9,48 @@ import json
 import pytest
 from conftest import run_engine as run
 
-from vllm_kvq.evaluate import compare_runs
+from vllm_kvq.evaluate import MAX_NUM_SEQS, compare_runs, first_divergence
 from vllm_kvq.formats import parse_format
 
 pytestmark = pytest.mark.e2e
 SMOL = dict(layers=30, kv_heads=3, head_dim=64)
 BUDGET = 256 << 20
-MAX_NUM_SEQS = 256  # vLLM's default for LLM(); sizes the residual pool
+MODEL_BYTES = 4  # the quality runs use an fp32 model; the residual window stores its dtype
 
 # method -> (max mean KL vs bf16, min agreement on confident positions, max ppl change)
 # set from measurements on this model and text (see the issue notes); a broken kernel
 # (wrong scale, wrong block, stale residual) lands far outside them.
+# Measured (fp32 model, 4 x 1024 SOTU tokens): fp8_e4m3 KL 0.0042 / 99.89% / +0.97%;
+# int8_token 0.00023 / 100% / -0.02%; int8_group32 0.00011 / 100% / +0.11%;
+# int4_group32 0.027 / 97.5% / +3.6%; kivi4 0.0018 / 99.96% / +0.16%;
+# kivi2 0.082 / 91.2% / +15.5%.
 QUALITY = {
-    "fp8_e4m3": (0.02, 0.98, 0.03),
-    "int8_token": (0.005, 0.995, 0.003),
-    "int8_group32": (0.005, 0.995, 0.003),
-    "int4_group32": (0.08, 0.95, 0.08),
-    "kivi4": (0.08, 0.95, 0.08),
-    "kivi2": (0.5, 0.80, 0.5),
+    "fp8_e4m3": (0.01, 0.995, 0.02),
+    "int8_token": (0.001, 0.995, 0.003),
+    "int8_group32": (0.001, 0.995, 0.003),
+    "int4_group32": (0.05, 0.96, 0.06),
+    "kivi4": (0.005, 0.995, 0.01),
+    "kivi2": (0.15, 0.88, 0.25),
 }
 
 
+NEAR_TIE_NATS = 0.05
+
+
 def test_our_bf16_is_vllm_bf16():
-    """With a bf16 model both store bf16 K/V: same greedy tokens."""
+    """With a bf16 model both store bf16 K/V: the same greedy tokens, up to a step where vLLM
+    itself is at a near-tie (top-1 and top-2 within 0.05 nats: the two kernels sum in a
+    different order, and bf16 rounding of the attention output may then flip the choice)."""
     bf16_model = json.dumps({"dtype": "bfloat16"})
     ours, theirs = run("short", "bf16", bf16_model), run("short", "vllm", bf16_model)
-    assert ours["greedy"] == theirs["greedy"]
+    identical = 0
+    for a, b, margins in zip(ours["greedy"], theirs["greedy"], theirs["margins"]):
+        i = first_divergence(a, b)
+        if i is None:
+            identical += 1
+        else:
+            assert margins[i] < NEAR_TIE_NATS, (i, margins[i], a, b)
+    assert identical >= len(ours["greedy"]) - 1
     assert ours["capacity_tokens"] == pytest.approx(theirs["capacity_tokens"], rel=0.02)
 
 
@@ -62,8 +78,8 @@ def test_quality_against_bf16(method):
 def expected_capacity(method: str) -> int:
     fmt = parse_format(method)
     lay = fmt.layout(SMOL["head_dim"], 128)
-    pool = fmt.residual_bytes_per_seq(SMOL["layers"], SMOL["kv_heads"], SMOL["head_dim"]) \
-        * MAX_NUM_SEQS
+    pool = fmt.residual_bytes_per_seq(SMOL["layers"], SMOL["kv_heads"], SMOL["head_dim"],
+                                      MODEL_BYTES) * MAX_NUM_SEQS
     block_bytes = SMOL["layers"] * SMOL["kv_heads"] * lay.plane_bytes
     return (BUDGET - pool) // block_bytes * 128
 
@@ -100,7 +116,7 @@ def test_preemption_completes_every_request(method):
     lay = parse_format(method).layout(SMOL["head_dim"], 128)
     block = SMOL["layers"] * SMOL["kv_heads"] * lay.plane_bytes
     pool = parse_format(method).residual_bytes_per_seq(SMOL["layers"], SMOL["kv_heads"],
-                                                       SMOL["head_dim"]) * 6
+                                                       SMOL["head_dim"], MODEL_BYTES) * 6
     tight = run("greedy", method, json.dumps({
         "enable_prefix_caching": False, "max_num_seqs": 6, "kv_budget": pool + 16 * block,
         "disable_log_stats": False}))

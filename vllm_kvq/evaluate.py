@@ -20,14 +20,17 @@ from pathlib import Path
 TOP_K = 20             # log-probs kept per position (vLLM's default max_logprobs)
 CONFIDENT_NATS = 0.5   # "confident" positions: baseline top-1 beats top-2 by this much
 VLLM_PEERS = {"vllm": {}, "vllm-fp8": {"kv_cache_dtype": "fp8"}}
+MAX_NUM_SEQS = 16
 GREEDY_PROMPTS = ["The capital of France is", "def fibonacci(n):",
                   "Water boils at a temperature of", "The three primary colors are"]
 
 
 def engine_kwargs(method: str | dict, model: str, kv_budget: int, max_model_len: int,
                   **extra) -> dict:
+    # max_num_seqs also sizes the residual window's pool (one slot per running sequence)
     kw = dict(model=model, enforce_eager=True, max_model_len=max_model_len,
-              kv_cache_memory_bytes=kv_budget, seed=0, max_logprobs=TOP_K)
+              kv_cache_memory_bytes=kv_budget, seed=0, max_logprobs=TOP_K,
+              max_num_seqs=MAX_NUM_SEQS)
     kw.update(extra)
     if isinstance(method, str) and method in VLLM_PEERS:
         kw.update(VLLM_PEERS[method])
@@ -68,6 +71,25 @@ def greedy(llm, prompts: list[str], max_tokens: int = 24) -> list[list[int]]:
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
+
+
+def greedy_with_margins(llm, prompts: list[str], max_tokens: int = 24):
+    """Greedy tokens and, per step, the top-1 minus top-2 log-prob (how close a tie was)."""
+    from vllm import SamplingParams
+
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=2)
+    tokens, margins = [], []
+    for o in llm.generate(prompts, sp, use_tqdm=False):
+        tokens.append(list(o.outputs[0].token_ids))
+        top2 = [sorted((x.logprob for x in step.values()), reverse=True)[:2]
+                for step in o.outputs[0].logprobs]
+        margins.append([a - b for a, b in top2])
+    return tokens, margins
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y),
+                None if len(a) == len(b) else min(len(a), len(b)))
 
 
 def run_method(method, model: str, windows: list[list[int]], kv_budget: int = 256 << 20,

@@ -1,0 +1,58 @@
+"""The vLLM plugin: version pin, CUSTOM registration, CPU selection, config validated early."""
+import pytest
+import vllm
+
+from vllm_kvq import plugin
+from vllm_kvq.model_prep import ensure_default_model
+
+
+def test_unsupported_vllm_version_is_refused_with_a_clear_message(monkeypatch):
+    monkeypatch.setattr(vllm, "__version__", "0.31.2")
+    with pytest.raises(RuntimeError, match=r"supports vLLM 0\.32\.x; installed vLLM is 0\.31\.2"):
+        plugin.register()
+
+
+def test_register_is_idempotent_and_cpu_honours_custom():
+    from vllm.platforms.cpu import CpuPlatform
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    plugin.register()
+    plugin.register()
+    assert AttentionBackendEnum.CUSTOM.get_path() == plugin.BACKEND_PATH
+    path = CpuPlatform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, None)
+    assert path == plugin.BACKEND_PATH
+
+
+def engine_config(kvq, **kw):
+    from vllm.engine.arg_utils import EngineArgs
+
+    kw = {"enforce_eager": True, "kv_cache_memory_bytes": 64 << 20, "max_num_seqs": 4, **kw}
+    args = EngineArgs(model=str(ensure_default_model(verbose=False)), attention_backend="CUSTOM",
+                      additional_config={"kvq": kvq} if kvq is not None else {}, **kw)
+    return args.create_engine_config()
+
+
+@pytest.mark.parametrize("kvq,kw,match", [
+    ({"method": "int5_group32"}, {}, r"vllm-kvq: kvq\.method='int5_group32': bits=5 is not allowed"),
+    (None, {}, r'no "kvq" configuration'),
+    ({"method": "kivi2", "residual_tokens": 96}, {},
+     "residual_tokens=96 must divide block_size=128"),
+    ({"method": "int4_group32"}, {"kv_cache_dtype": "fp8"}, "--kv-cache-dtype=fp8 is not allowed"),
+    ({"method": "kivi2"}, {"max_num_seqs": 256},
+     r"residual window .* needs \d+ bytes, more than the KV budget"),
+])
+def test_bad_config_fails_before_any_engine_starts(kvq, kw, match):
+    plugin.register()
+    with pytest.raises(ValueError, match=match):
+        engine_config(kvq, **kw)
+
+
+def test_residual_window_is_taken_out_of_an_explicit_budget():
+    plugin.register()
+    cfg = engine_config({"method": "kivi2"})
+    from vllm_kvq.formats import parse_format
+
+    pool = parse_format("kivi2").residual_bytes_per_seq(30, 3, 64, 2) * 4  # bf16 model, 4 seqs
+    assert cfg.cache_config.kv_cache_memory_bytes == (64 << 20) - pool
+    plugin.validate_vllm_config(cfg)  # running the hook again does not take it twice
+    assert cfg.cache_config.kv_cache_memory_bytes == (64 << 20) - pool
