@@ -23,12 +23,17 @@ define_macros = []
 ext_cls = cpp_extension.CppExtension
 extra = {"cxx": cxx}
 if want_cuda():
-    sources += sorted(glob.glob("csrc/cuda/*.cu"))
+    # compile_check.cu only instantiates the kernels for scripts/check_cuda_compile.sh.
+    sources += [f for f in sorted(glob.glob("csrc/cuda/*.cu"))
+                if os.path.basename(f) != "compile_check.cu"]
     ext_cls = cpp_extension.CUDAExtension
     define_macros.append(("KVQ_WITH_CUDA", "1"))
-    extra["nvcc"] = ["-O3", "-std=c++17", "--use_fast_math", "-lineinfo",
-                     "-gencode=arch=compute_80,code=sm_80",
-                     "-gencode=arch=compute_90,code=sm_90"]
+    # No --use_fast_math: write_cache must divide and round exactly like the CPU kernels and
+    # the reference (IEEE division, no flush-to-zero); the attention kernels ask for fast
+    # exp2 / fused multiply-add explicitly. KVQ_CUDA_ARCHS="90" builds one target only.
+    archs = os.environ.get("KVQ_CUDA_ARCHS", "80,90").split(",")
+    extra["nvcc"] = ["-O3", "-std=c++17", "-lineinfo", "--threads=2"] + [
+        f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs if a]
 
 setup(
     name="vllm-kvq",
@@ -43,5 +48,7 @@ setup(
     entry_points={
         "console_scripts": ["vllm-kvq=vllm_kvq.cli:main"],
         "vllm.general_plugins": ["vllm_kvq=vllm_kvq.plugin:register"],
+        # API server only, and only when VLLM_PLUGINS names it (`vllm-kvq serve` does).
+        "vllm.endpoint_plugins": ["vllm_kvq_routes=vllm_kvq.serving:KVQEndpointPlugin"],
     },
 )

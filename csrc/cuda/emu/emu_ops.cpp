@@ -1,0 +1,48 @@
+// The CUDA kernels compiled for the CPU through the emulator (kvq_cuda_emu.h), for tests
+// on machines without a GPU: same kernels, same dispatch and argument checks as
+// cuda_ops.cu, run fiber by fiber on CPU tensors. Built on demand by
+// tests/test_cuda_emulated.py (torch.utils.cpp_extension.load); not part of the package.
+#include <torch/extension.h>
+
+#define KVQ_CUDA_EMULATE 1
+#include "../kvq_torch_glue.h"
+
+namespace {
+
+int64_t write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor cache,
+                    const at::Tensor& slots, std::vector<int64_t> kc, std::vector<int64_t> vc,
+                    const at::Tensor& ks, const at::Tensor& vs) {
+  kvq_cuda::WriteParams p = kvq_cuda::make_write_params(key, value, cache, slots, kc, vc, ks, vs);
+  int32_t flag = 0;
+  p.error_flag = &flag;
+  kvq_cuda::launch_write_cache(p, nullptr);
+  return flag;
+}
+
+void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& cache, const at::Tensor& bt,
+                     const at::Tensor& sl, const at::Tensor& qsl, const at::Tensor& sk,
+                     const at::Tensor& sv, const at::Tensor& ssl, const at::Tensor& sp0, int64_t R,
+                     double scale, std::vector<int64_t> kc, std::vector<int64_t> vc,
+                     const at::Tensor& ks, const at::Tensor& vs, bool force_generic,
+                     int64_t part_tokens, int64_t num_sms) {
+  kvq_cuda::AttnPlan plan;
+  kvq_cuda::AttnParams p = kvq_cuda::make_attn_params(out, q, cache, bt, sl, qsl, sk, sv, ssl, sp0, R,
+                                                      scale, kc, vc, ks, vs, (int)num_sms,
+                                                      force_generic, (int)part_tokens, &plan);
+  std::vector<uint8_t> ws(plan.workspace_bytes());
+  kvq_cuda::set_workspace(p, plan, ws.data());
+  kvq_cuda::launch_attention(p, plan, nullptr);
+}
+
+bool decode_supported(int64_t D, std::vector<int64_t> kc, std::vector<int64_t> vc) {
+  return kvq_cuda::decode_fn((int)D, kvq_cuda::kind_of(kvq_cuda::codec_from(kc)),
+                             kvq_cuda::kind_of(kvq_cuda::codec_from(vc))) != nullptr;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("write_cache", &write_cache, "emulated CUDA write_cache; returns the slot error flag");
+  m.def("paged_attention", &paged_attention, "emulated CUDA paged_attention");
+  m.def("decode_supported", &decode_supported, "whether the tensor-core decode kernel covers a format");
+}

@@ -1,0 +1,227 @@
+// Quantize-and-write of new K/V tokens into their slots (vllm_kvq.write_cache on CUDA).
+//
+// Rules are those of kvq_numeric.h, applied with the same float operations as the CPU
+// kernels, so planes are byte-identical to the PyTorch reference (IEEE division, no
+// fast-math: see setup.py).
+//  * write_rows_kernel: one warp per (token, kv head), for every side whose scale is per
+//    token, per channel group of a token, or static. Lane i owns channels 8i..8i+7, so a
+//    lane's codes are whole bytes (b bits x 8) and scale groups are aligned lane groups.
+//  * write_channel_kernel: one CTA per (slot-group start, kv head, side) for per-channel
+//    sides (scale per channel over G tokens): G consecutive entries with aligned,
+//    consecutive slots. Entries that break that rule are skipped and flagged.
+#pragma once
+#include "kvq_cuda_common.cuh"
+
+namespace kvq_cuda {
+
+KVQ_DEV uint16_t f32_to_f16_bits(float x) {  // like torch's float -> half
+#if defined(KVQ_CUDA_EMULATE)
+  return host_f32_to_f16_rn(x);
+#else
+  if (x != x) return (uint16_t)(((kvq::float_bits(x) >> 16) & 0x8000u) | 0x7e00u);
+  return (uint16_t)(pack2<false>(x, 0.0f) & 0xffffu);
+#endif
+}
+
+KVQ_DEV float side_static_scale(const Side& sd, int h) {
+  return sd.sscale[sd.sscale_n == 1 ? 0 : h];
+}
+
+// Reductions over the aligned group of `width` lanes (power of two) holding one scale group.
+KVQ_DEV float group_max(float v, int width) {
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1)
+    if (m < width) v = fmaxf(v, shfl_xor(v, m));
+  return v;
+}
+KVQ_DEV float group_min(float v, int width) {
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1)
+    if (m < width) v = fminf(v, shfl_xor(v, m));
+  return v;
+}
+
+KVQ_DEV void store_bytes(uint8_t* dst, uint64_t v, int nbytes) {
+  for (int i = 0; i < nbytes; ++i) dst[i] = (uint8_t)(v >> (8 * i));
+}
+
+// One side of one (token, head): the warp's lanes hold 8 channels each in x[].
+KVQ_DEV void write_side_rows(const Side& sd, uint8_t* plane, int off, int h,
+                             const float (&x)[8], bool mine, int lane) {
+  const int b = sd.bits;
+  uint8_t* row = plane + sd.data_off + (int64_t)off * sd.row_bytes;
+  if (sd.encoding == kvq::ENC_FP16 || sd.encoding == kvq::ENC_BF16) {
+    if (mine) {
+      uint8_t* dst = row + lane * 16;
+      for (int k = 0; k < 8; ++k) {
+        const uint16_t v = sd.encoding == kvq::ENC_FP16 ? f32_to_f16_bits(x[k])
+                                                        : kvq::float_to_bf16(x[k]);
+        dst[2 * k] = (uint8_t)v;
+        dst[2 * k + 1] = (uint8_t)(v >> 8);
+      }
+    }
+    return;
+  }
+  // Scale group statistics over finite values (non-finite values never widen a range).
+  const int width = sd.gran == kvq::GRAN_GROUP ? sd.group / 8 : 32;
+  float lo = INFINITY, hi = -INFINITY, amax = 0.0f;
+  if (mine) {
+    for (int k = 0; k < 8; ++k) {
+      const float v = x[k];
+      if (v - v == 0.0f) {  // finite
+        lo = fminf(lo, v);
+        hi = fmaxf(hi, v);
+        amax = fmaxf(amax, fabsf(v));
+      }
+    }
+  }
+  const bool dynamic = sd.gran == kvq::GRAN_TOKEN || sd.gran == kvq::GRAN_GROUP;
+  if (dynamic) {  // warp-uniform: every lane takes part in the shuffles
+    lo = group_min(lo, width);
+    hi = group_max(hi, width);
+    amax = group_max(amax, width);
+  }
+  uint64_t packed = 0;
+  float scale = 0.0f, zero = 0.0f;
+  if (sd.encoding == kvq::ENC_FP8_E4M3 || sd.encoding == kvq::ENC_FP8_E5M2) {
+    scale = dynamic ? kvq::absmax_params(amax, kvq::fp8_max(sd.encoding)).scale
+                    : side_static_scale(sd, h);
+    for (int k = 0; k < 8; ++k)
+      packed |= (uint64_t)kvq::quantize_fp8(x[k], scale, sd.encoding) << (8 * k);
+  } else {  // ENC_INT
+    kvq::QParams qp;
+    if (!dynamic) {
+      qp.scale = side_static_scale(sd, h);
+      qp.zero = 0.0f;
+    } else if (sd.symmetric) {
+      qp = kvq::absmax_params(amax, (float)kvq::int_half(b));
+    } else {
+      if (!(lo <= hi)) lo = hi = 0.0f;  // no finite value in the group
+      qp = kvq::int_asym_params(lo, hi, b);
+    }
+    scale = qp.scale;
+    zero = qp.zero;
+    for (int k = 0; k < 8; ++k)
+      packed |= (uint64_t)kvq::quantize_int(x[k], qp, b, sd.symmetric != 0) << (b * k);
+  }
+  if (!mine) return;
+  store_bytes(row + lane * b, packed, b);
+  if (dynamic) {
+    const int gl = sd.gran == kvq::GRAN_GROUP ? sd.group / 8 : 32;
+    if ((lane & (gl - 1)) == 0) {  // first lane of its scale group
+      const int col = sd.gran == kvq::GRAN_GROUP ? (lane * 8) / sd.group : 0;
+      const int idx = off * sd.scale_cols + col;
+      const uint16_t s16 = kvq::float_to_fp16_sat(scale);
+      plane[sd.scale_off + 2 * idx] = (uint8_t)s16;
+      plane[sd.scale_off + 2 * idx + 1] = (uint8_t)(s16 >> 8);
+      if (sd.has_zero) {
+        const uint16_t z16 = kvq::float_to_fp16_sat(zero);
+        plane[sd.zero_off + 2 * idx] = (uint8_t)z16;
+        plane[sd.zero_off + 2 * idx + 1] = (uint8_t)(z16 >> 8);
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(128) write_rows_kernel(WriteParams p) {
+  const int lane = threadIdx.x & 31;
+  const int64_t item = (int64_t)blockIdx.x * 4 + (threadIdx.x >> 5);
+  if (item >= (int64_t)p.N * p.H) return;  // warp-uniform; no block barrier in this kernel
+  const int i = (int)(item / p.H), h = (int)(item % p.H);
+  const int64_t slot = load_slot(p, i);
+  if (slot < 0) return;
+  if (slot >= p.num_blocks * p.B) {
+    if (p.error_flag && lane == 0) *p.error_flag = 1;
+    return;
+  }
+  const int64_t blk = slot / p.B;
+  const int off = (int)(slot % p.B);
+  uint8_t* plane = p.cache + (blk * p.H + h) * p.plane_bytes;
+  const bool mine = lane * 8 < p.D;
+  for (int side = 0; side < 2; ++side) {
+    const Side& sd = p.side[side];
+    if (sd.gran == kvq::GRAN_CHANNEL) continue;
+    const void* src = side ? p.value : p.key;
+    const int64_t base = side ? (int64_t)i * p.v_sn + (int64_t)h * p.v_sh
+                              : (int64_t)i * p.k_sn + (int64_t)h * p.k_sh;
+    float x[8];
+    for (int k = 0; k < 8; ++k) x[k] = mine ? load_act(src, base + lane * 8 + k, p.in_dtype) : 0.0f;
+    write_side_rows(sd, plane, off, h, x, mine, lane);
+  }
+}
+
+constexpr int kMaxChannelGroup = 128;
+constexpr int kMaxHeadDim = 256;
+
+__global__ void __launch_bounds__(128) write_channel_kernel(WriteParams p) {
+  const int i = blockIdx.x, h = blockIdx.y, side = blockIdx.z;
+  const Side& sd = p.side[side];
+  if (sd.gran != kvq::GRAN_CHANNEL) return;
+  const int G = sd.group;
+  const int64_t slot = load_slot(p, i);
+  if (slot < 0) return;
+  if (slot % G) {  // inside a group: it must be covered by the group that starts G-aligned
+    const int r = (int)(slot % G);
+    if (p.error_flag && threadIdx.x == 0 && h == 0 && (i < r || load_slot(p, i - r) != slot - r))
+      *p.error_flag = 1;
+    return;
+  }
+  __shared__ int bad;
+  __shared__ uint8_t codes[kMaxChannelGroup][kMaxHeadDim];
+  if (threadIdx.x == 0) bad = (i + G > p.N || slot + G > p.num_blocks * p.B) ? 1 : 0;
+  __syncthreads();
+  for (int t = 1 + threadIdx.x; t < G && !bad; t += blockDim.x)
+    if (load_slot(p, i + t) != slot + t) bad = 1;
+  __syncthreads();
+  if (bad) {
+    if (p.error_flag && threadIdx.x == 0) *p.error_flag = 1;
+    return;
+  }
+  const int64_t blk = slot / p.B;
+  const int off = (int)(slot % p.B);  // a multiple of G (B is)
+  uint8_t* plane = p.cache + (blk * p.H + h) * p.plane_bytes;
+  const void* src = side ? p.value : p.key;
+  const int64_t sn = side ? p.v_sn : p.k_sn;
+  const int64_t base = (int64_t)i * sn + (int64_t)h * (side ? p.v_sh : p.k_sh);
+  const int b = sd.bits, D = p.D;
+  for (int ch = threadIdx.x; ch < D; ch += blockDim.x) {
+    float lo = INFINITY, hi = -INFINITY, amax = 0.0f;
+    for (int t = 0; t < G; ++t) {
+      const float v = load_act(src, base + t * sn + ch, p.in_dtype);
+      if (v - v == 0.0f) {
+        lo = fminf(lo, v);
+        hi = fmaxf(hi, v);
+        amax = fmaxf(amax, fabsf(v));
+      }
+    }
+    kvq::QParams qp;
+    if (sd.symmetric) {
+      qp = kvq::absmax_params(amax, (float)kvq::int_half(b));
+    } else {
+      if (!(lo <= hi)) lo = hi = 0.0f;
+      qp = kvq::int_asym_params(lo, hi, b);
+    }
+    for (int t = 0; t < G; ++t)
+      codes[t][ch] = (uint8_t)kvq::quantize_int(load_act(src, base + t * sn + ch, p.in_dtype),
+                                                qp, b, sd.symmetric != 0);
+    const int idx = (off / G) * D + ch;
+    const uint16_t s16 = kvq::float_to_fp16_sat(qp.scale);
+    plane[sd.scale_off + 2 * idx] = (uint8_t)s16;
+    plane[sd.scale_off + 2 * idx + 1] = (uint8_t)(s16 >> 8);
+    if (sd.has_zero) {
+      const uint16_t z16 = kvq::float_to_fp16_sat(qp.zero);
+      plane[sd.zero_off + 2 * idx] = (uint8_t)z16;
+      plane[sd.zero_off + 2 * idx + 1] = (uint8_t)(z16 >> 8);
+    }
+  }
+  __syncthreads();
+  const int octs = D / 8;
+  for (int e = threadIdx.x; e < G * octs; e += blockDim.x) {
+    const int t = e / octs, o = e % octs;
+    uint64_t packed = 0;
+    for (int k = 0; k < 8; ++k) packed |= (uint64_t)codes[t][8 * o + k] << (b * k);
+    store_bytes(plane + sd.data_off + (int64_t)(off + t) * sd.row_bytes + o * b, packed, b);
+  }
+}
+
+}  // namespace kvq_cuda

@@ -1,0 +1,227 @@
+"""The CUDA kernels, run on the CPU through the emulator (csrc/cuda/kvq_cuda_emu.h), against
+the PyTorch reference: byte-identical cache planes from write_cache, and paged_attention
+within the tolerances of fp16/bf16 tensor-core math.
+
+The same kernel source, dispatch and argument checks as the real CUDA build; only the
+thread scheduling, the warp collectives and the PTX instructions (mma.sync, f16x2 math,
+prmt) are emulated. It checks indexing, fragment layouts, the split-KV merge and the
+residual staging rules on machines without a GPU; speed and real-hardware behaviour are
+for scripts/gpu_check.py on a GPU host.
+
+Builds csrc/cuda/emu/emu_ops.cpp once (about a minute; cached in $KVQ_CACHE or
+~/.cache/vllm-kvq). KVQ_SKIP_CUDA_EMU=1 skips this module.
+"""
+import math
+import os
+
+import pytest
+import torch
+
+from vllm_kvq import reference as ref
+from vllm_kvq.formats import EXAMPLE_NAMES, parse_format
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+pytestmark = pytest.mark.skipif(os.environ.get("KVQ_SKIP_CUDA_EMU") == "1", reason="KVQ_SKIP_CUDA_EMU=1")
+
+EXTRA = ["int3_token", "int2_token", "fp8_e5m2_token", "int4_tensor_sym", "int8_head_sym",
+         "fp8_e4m3_head", "int4_group16_sym", "int8_channel16_r16", "int4_channel16_sym_r32"]
+NAMES = list(EXAMPLE_NAMES) + EXTRA
+
+
+@pytest.fixture(scope="module")
+def emu():
+    from torch.utils import cpp_extension
+    build = os.path.join(os.environ.get("KVQ_CACHE", os.path.expanduser("~/.cache/vllm-kvq")),
+                         "cuda_emu_build")
+    os.makedirs(build, exist_ok=True)
+    return cpp_extension.load(
+        name="kvq_cuda_emu", sources=[os.path.join(ROOT, "csrc/cuda/emu/emu_ops.cpp")],
+        extra_cflags=["-O2", "-ffp-contract=off", "-fno-math-errno", "-Wno-unknown-pragmas"],
+        extra_include_paths=[os.path.join(ROOT, "csrc")], build_directory=build)
+
+
+def _block(fmt):
+    return 128 if fmt.residual_tokens > 32 else 32
+
+
+def _static(fmt, H, g):
+    out = []
+    for c in (fmt.key, fmt.value):
+        if c.granularity == "head":
+            out.append(torch.rand(H, generator=g) * 0.2 + 0.02)
+        elif c.granularity == "tensor" and c.encoding == "int":
+            out.append(torch.full((H,), 0.05))
+        else:
+            out.append(torch.ones(H))
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("D", [64, 128, 80])
+def test_write_cache_byte_identical(emu, name, D):
+    fmt = parse_format(name)
+    B = _block(fmt)
+    try:
+        lay = fmt.layout(D, B)
+    except ValueError as e:
+        pytest.skip(str(e))
+    g = torch.Generator().manual_seed(D)
+    H, nb = 3, 7
+    G = max([c.group for c in (fmt.key, fmt.value) if c.granularity == "channel"] or [1])
+    if G > 1:
+        slots = torch.cat([torch.full((2,), -1), torch.arange(G) + 2 * B, torch.arange(2 * G) + 4 * B])
+    else:
+        slots = torch.randperm(nb * B, generator=g)[:41]
+        slots[[3, 17]] = -1
+    N = slots.numel()
+    for dt in (torch.bfloat16, torch.float32, torch.float16):
+        k = torch.randn(N, H, D, generator=g) * 2.0
+        v = torch.randn(N, H, D, generator=g) + 0.3
+        k[4, 0, :5] *= 50.0
+        if not (fmt.key.is_float or fmt.value.is_float):
+            # non-finite policy. (Float baselines: kvq::float_to_bf16 writes NaN as 0x7FC0,
+            # torch 2.13 as 0xFFFF; CPU and CUDA kernels share the former.)
+            k[5, 1, 3] = float("nan")
+            v[6, 2, 9] = float("inf")
+            k[7, 0, 1] = -float("inf")
+        k, v = k.to(dt), v.to(dt)
+        ks, vs = _static(fmt, H, g)
+        want = torch.zeros(nb, H, B, lay.token_bytes, dtype=torch.uint8)
+        ref.write_cache(k, v, want, slots, fmt, lay, ks if fmt.key.static_scale else None,
+                        vs if fmt.value.static_scale else None)
+        for sdt in (torch.int64, torch.int32):
+            got = torch.zeros_like(want)
+            flag = emu.write_cache(k, v, got, slots.to(sdt), fmt.key.as_ints(), fmt.value.as_ints(), ks, vs)
+            assert flag == 0
+            assert torch.equal(got, want), f"{dt} {sdt}: {(got != want).sum().item()} bytes differ"
+
+
+def test_write_cache_flags_broken_channel_groups(emu):
+    fmt = parse_format("kivi2")
+    lay = fmt.layout(128, 128)
+    k = torch.randn(40, 2, 128)
+    for slots in (torch.arange(32) + 5,                             # not aligned
+                  torch.cat([torch.arange(16), torch.arange(16) + 64]),  # not consecutive
+                  torch.arange(16)):                                 # incomplete group
+        cache = torch.zeros(3, 2, 128, lay.token_bytes, dtype=torch.uint8)
+        assert emu.write_cache(k[:slots.numel()], k[:slots.numel()], cache, slots, fmt.key.as_ints(),
+                               fmt.value.as_ints(), torch.ones(1), torch.ones(1)) == 1
+        # a broken group is never partially written (values are per-group too, so V rows of
+        # the same entries may be; the key region stays untouched)
+        assert not cache.view(3, 2, -1)[:, :, lay.k["data_off"]:lay.k["end"]].any()
+
+
+def _case(fmt, D, Hq, H, B, qlens, ctx, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    lay = fmt.layout(D, B)
+    R = fmt.residual_chunk
+    S = len(qlens)
+    L = [c + q for c, q in zip(ctx, qlens)]
+    nblk = [(x + B - 1) // B for x in L]
+    nb = sum(nblk) + 2
+    cache = torch.randint(0, 256, (nb, H, B, lay.token_bytes), dtype=torch.uint8, generator=g)
+    perm = torch.randperm(nb, generator=g)
+    bt = torch.zeros(S, max(nblk), dtype=torch.int32)
+    ks, vs = _static(fmt, H, g)
+    kref = ks if fmt.key.static_scale else None
+    vref = vs if fmt.value.static_scale else None
+    used, Ks, Vs = 0, [], []
+    for s in range(S):
+        bt[s, :nblk[s]] = perm[used:used + nblk[s]].to(torch.int32)
+        used += nblk[s]
+        k = (torch.randn(L[s], H, D, generator=g) * 1.5).to(dtype)
+        v = torch.randn(L[s], H, D, generator=g).to(dtype)
+        Ks.append(k)
+        Vs.append(v)
+        Fw = L[s] // R * R
+        if Fw:
+            slots = torch.tensor([int(bt[s, j // B]) * B + j % B for j in range(Fw)])
+            ref.write_cache(k[:Fw], v[:Fw], cache, slots, fmt, lay, kref, vref)
+    sk, sv, ssl, sp0 = [], [], [0], []
+    for s in range(S):
+        pos0 = (L[s] - qlens[s] + 1) // R * R if R > 1 else L[s]
+        sp0.append(pos0)
+        sk.append(Ks[s][pos0:])
+        sv.append(Vs[s][pos0:])
+        ssl.append(ssl[-1] + L[s] - pos0)
+    sk = torch.cat(sk) if R > 1 else torch.zeros(0, H, D, dtype=dtype)
+    sv = torch.cat(sv) if R > 1 else torch.zeros(0, H, D, dtype=dtype)
+    q = torch.randn(sum(qlens), Hq, D, generator=g).to(dtype)
+    qsl = torch.tensor([0] + [int(x) for x in torch.tensor(qlens).cumsum(0)], dtype=torch.int32)
+    sl = torch.tensor(L, dtype=torch.int32)
+    ssl = torch.tensor(ssl, dtype=torch.int32)
+    sp0 = torch.tensor(sp0, dtype=torch.int32)
+    scale = 1 / math.sqrt(D)
+    want = ref.paged_attention(q, cache, bt, sl, qsl, fmt, lay, scale, kref, vref, sk, sv, ssl, sp0).float()
+    return (q, cache, bt, sl, qsl, sk, sv, ssl, sp0, R, scale, ks, vs), want
+
+
+def _run(emu, fmt, args, force_generic=False, part_tokens=0, num_sms=132):
+    q, cache, bt, sl, qsl, sk, sv, ssl, sp0, R, scale, ks, vs = args
+    out = torch.full_like(q, float("nan"))
+    emu.paged_attention(out, q, cache, bt, sl, qsl, sk, sv, ssl, sp0, R, scale, fmt.key.as_ints(),
+                        fmt.value.as_ints(), ks, vs, force_generic, part_tokens, num_sms)
+    return out.float()
+
+
+def _tol(dtype, want):
+    # outputs are rounded to the query dtype; bf16 keeps 8 bits
+    return (2 ** -7 if dtype == torch.bfloat16 else 2 ** -9) * max(1.0, float(want.abs().max()))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_decode_batch_tensor_core_kernel(emu, name):
+    """Decode steps only: split-KV partitions (64 tokens), staging slot, GQA 4."""
+    fmt = parse_format(name)
+    D = 128
+    assert emu.decode_supported(D, fmt.key.as_ints(), fmt.value.as_ints())
+    args, want = _case(fmt, D, 8, 2, _block(fmt), [1, 1, 1, 1], [40, 300, 97, 0], torch.bfloat16, 1)
+    got = _run(emu, fmt, args, part_tokens=64)
+    assert (got - want).abs().max() <= _tol(torch.bfloat16, want)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp8_e4m3", "int8_token", "int4_group32", "kivi2", "int3_token",
+                                  "int2_group32_r128", "int8_channel32_r128"])
+@pytest.mark.parametrize("D", [64, 256])
+def test_decode_head_sizes(emu, name, D):
+    fmt = parse_format(name)
+    args, want = _case(fmt, D, 16, 1, _block(fmt), [1, 1, 1], [500, 33, 130], torch.bfloat16, 2)
+    got = _run(emu, fmt, args, part_tokens=128)  # G = 16: two head tiles per kv head
+    assert (got - want).abs().max() <= _tol(torch.bfloat16, want)
+
+
+@pytest.mark.parametrize("name", ["int4_group32", "kivi2", "bf16"])
+@pytest.mark.parametrize("num_sms", [1, 132])
+def test_decode_auto_partitions_wide_block_table(emu, name, num_sms):
+    """Partitioning from the batch shape, with a block_table much wider than the sequences
+    (vLLM passes max_model_len / block_size columns); the extra entries are garbage."""
+    fmt = parse_format(name)
+    (q, cache, bt, *rest), want = _case(fmt, 128, 8, 2, _block(fmt), [1, 1, 1], [1500, 40, 700],
+                                         torch.bfloat16, 5)
+    wide = torch.cat([bt, torch.full((bt.shape[0], 3 * bt.shape[1]), 1 << 30, dtype=torch.int32)], 1)
+    got = _run(emu, fmt, (q, cache, wide, *rest), num_sms=num_sms)
+    assert (got - want).abs().max() <= _tol(torch.bfloat16, want)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_mixed_batch(emu, name):
+    """Prefill, chunked prefill and decodes in one batch (fp16): generic + decode kernels."""
+    fmt = parse_format(name)
+    args, want = _case(fmt, 128, 12, 3, _block(fmt), [1, 37, 5, 1], [260, 0, 70, 129], torch.float16, 3)
+    got = _run(emu, fmt, args)
+    assert (got - want).abs().max() <= _tol(torch.float16, want)
+
+
+@pytest.mark.parametrize("name", ["bf16", "int8_token", "int4_group32", "kivi2", "fp8_e4m3_token"])
+@pytest.mark.parametrize("D", [80, 128])
+def test_generic_kernel(emu, name, D):
+    """The CUDA-core kernel alone (also the path for head sizes the decode kernel lacks)."""
+    fmt = parse_format(name)
+    try:
+        fmt.layout(D, _block(fmt))
+    except ValueError as e:
+        pytest.skip(str(e))
+    args, want = _case(fmt, D, 4, 2, _block(fmt), [1, 19, 1], [150, 40, 0], torch.bfloat16, 4)
+    got = _run(emu, fmt, args, force_generic=True)
+    assert (got - want).abs().max() <= _tol(torch.bfloat16, want)
