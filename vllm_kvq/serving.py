@@ -1,0 +1,152 @@
+"""What the API server tells about the KV cache: Prometheus gauges and `GET /kvq/config`.
+
+A `vllm.endpoint_plugins` entry point (setup.py: `vllm_kvq_routes`), loaded by vLLM's API
+server only when `VLLM_PLUGINS` names it (`vllm-kvq serve` does). No fork, no new metrics
+route: the gauges join the registry vLLM's `/metrics` already serves.
+
+Everything comes from the front-end's own `engine_client.vllm_config`: the `kvq` section of
+`--additional-config`, the model's shape, and `cache_config.num_gpu_blocks`, which the
+engine core reports back during the startup handshake (v1/engine/core_client.py), before
+`init_state` runs. A server that runs vLLM's own cache (no `--attention-backend CUSTOM`)
+reports that cache as method `vllm:<kv-cache-dtype>`.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+logger = logging.getLogger("vllm_kvq")
+
+ROUTE = "/kvq/config"
+PLUGIN_NAME = "vllm_kvq_routes"  # the entry point's name; VLLM_PLUGINS must list it
+# name -> (documentation, key in kv_summary()); one sample each, labelled by method.
+GAUGES = {
+    "kvq:bits_per_value": ("KV cache bits per cached K or V value, scales, zero-points "
+                           "and page padding included", "bits_per_value"),
+    "kvq:bytes_per_token": ("KV cache bytes per token, all layers and KV heads, K+V, "
+                            "metadata included (the residual window is per sequence)",
+                            "bytes_per_token"),
+    "kvq:ratio_vs_bf16": ("bf16 cache bytes per token / this cache's bytes per token",
+                          "ratio_vs_bf16"),
+    "kvq:residual_tokens": ("recent tokens per sequence kept in full precision",
+                            "residual_tokens"),
+    "kvq:capacity_tokens": ("tokens the KV cache holds: num_gpu_blocks x block_size",
+                            "capacity_tokens"),
+}
+INFO_GAUGE = "kvq:method_info"  # 1, labelled with method, key and value codecs
+_registered: dict[str, Any] = {}
+
+
+def kv_summary(vllm_config) -> dict[str, Any]:
+    """The active KV configuration with its exact sizes (the JSON of `GET /kvq/config`)."""
+    from vllm_kvq.plugin import _uses_kvq
+
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    par = vllm_config.parallel_config
+    layers = model.get_num_layers(par)
+    heads = model.get_num_kv_heads(par)
+    head_dim = model.get_head_size()
+    block_size = cache.block_size
+    blocks = cache.num_gpu_blocks
+    bf16_per_token = layers * heads * 2 * head_dim * 2
+    served = model.served_model_name
+    if isinstance(served, (list, tuple)):
+        served = served[0] if served else None
+    out: dict[str, Any] = {
+        "model": served or model.model,
+        "num_layers": layers, "num_kv_heads": heads, "head_dim": head_dim,
+        "model_dtype": str(model.dtype).removeprefix("torch."),
+        "block_size": block_size, "num_blocks": blocks,
+        "capacity_tokens": blocks * block_size if blocks is not None else None,
+        "kv_cache_memory_bytes": cache.kv_cache_memory_bytes,  # pages (after the pool)
+        "max_num_seqs": vllm_config.scheduler_config.max_num_seqs,
+    }
+    if _uses_kvq(vllm_config):
+        from vllm_kvq.backend import residual_slot_count
+        from vllm_kvq.config import config_from_vllm
+
+        cfg = config_from_vllm(vllm_config)
+        fmt = cfg.fmt
+        per_head = fmt.bytes_per_token(head_dim, block_size)
+        residual_per_seq = (fmt.residual_bytes_per_seq(layers, heads, head_dim,
+                                                       model.dtype.itemsize)
+                            if fmt.residual_tokens else 0)
+        out.update({
+            "backend": "vllm_kvq", "method": fmt.name,
+            "key": fmt.key.describe(), "value": fmt.value.describe(),
+            "bits_per_value": fmt.bits_per_value(head_dim, block_size),
+            "bytes_per_token_per_kv_head": per_head["total"],
+            "bytes_per_token": per_head["total"] * layers * heads,
+            "ratio_vs_bf16": fmt.ratio_vs_bf16(head_dim, block_size),
+            "residual_tokens": fmt.residual_tokens,
+            "residual_bytes_per_seq": residual_per_seq,
+            "residual_pool_bytes": residual_per_seq * residual_slot_count(vllm_config),
+            "config": cfg.to_dict(),
+        })
+        if getattr(cache, "_kvq_budget_after", None) is not None:  # plugin.py took it out
+            out["kv_budget_bytes"] = cache.kv_cache_memory_bytes + out["residual_pool_bytes"]
+    else:
+        dtype = cache.cache_dtype
+        elem = 1 if str(dtype).startswith("fp8") else model.dtype.itemsize
+        per_token = layers * heads * 2 * head_dim * elem
+        out.update({
+            "backend": "vllm", "method": f"vllm:{dtype}",
+            "key": str(dtype), "value": str(dtype),
+            "bits_per_value": 8 * elem,
+            "bytes_per_token_per_kv_head": 2 * head_dim * elem,
+            "bytes_per_token": per_token,
+            "ratio_vs_bf16": bf16_per_token / per_token,
+            "residual_tokens": 0, "residual_bytes_per_seq": 0, "residual_pool_bytes": 0,
+            "config": None,
+        })
+    out["bf16_bytes_per_token"] = bf16_per_token
+    return out
+
+
+def publish_gauges(summary: dict[str, Any]) -> None:
+    """Set the gauges in prometheus_client's registry (the one `/metrics` serves; in
+    multi-process mode the values go through PROMETHEUS_MULTIPROC_DIR like vLLM's own)."""
+    from prometheus_client import Gauge
+
+    if not _registered:  # once per process: registering a name twice raises
+        _registered[INFO_GAUGE] = Gauge(
+            INFO_GAUGE, "Active KV cache method (value 1)", ["method", "key", "value"],
+            multiprocess_mode="mostrecent")
+        for name, (doc, _) in GAUGES.items():
+            _registered[name] = Gauge(name, doc, ["method"], multiprocess_mode="mostrecent")
+    method = summary["method"]
+    _registered[INFO_GAUGE].labels(method=method, key=summary["key"],
+                                   value=summary["value"]).set(1)
+    for name, (_, key) in GAUGES.items():
+        if summary.get(key) is not None:
+            _registered[name].labels(method=method).set(summary[key])
+
+
+class KVQEndpointPlugin:
+    """vLLM EndpointPlugin (vllm/plugins/endpoint_plugins/interface.py)."""
+
+    name = PLUGIN_NAME
+    required_tasks = ("generate",)  # needs an engine: not on the CPU-only render server
+
+    def __init__(self) -> None:
+        self.summary: dict[str, Any] | None = None  # set by init_state, once the engine is up
+
+    def attach_router(self, app) -> None:
+        from fastapi.responses import JSONResponse
+
+        @app.get(ROUTE, tags=["vllm-kvq"])
+        async def kvq_config() -> JSONResponse:
+            if self.summary is None:
+                return JSONResponse({"error": "KV configuration not known yet"},
+                                    status_code=503)
+            return JSONResponse(self.summary)
+
+    async def init_state(self, engine_client, state, args) -> None:
+        if engine_client is None:
+            return
+        self.summary = summary = kv_summary(engine_client.vllm_config)
+        publish_gauges(summary)
+        logger.info("vllm-kvq: %s, %.4g bytes/token (x%.3g vs bf16), capacity %s tokens; "
+                    "GET %s", summary["method"], summary["bytes_per_token"],
+                    summary["ratio_vs_bf16"], summary["capacity_tokens"], ROUTE)
