@@ -1,4 +1,4 @@
-"""`vllm-kvq` command line: formats, serve (and, as they land, compare / calibrate)."""
+"""`vllm-kvq` command line: formats, serve, compare (and, as it lands, calibrate)."""
 from __future__ import annotations
 
 import argparse
@@ -141,6 +141,11 @@ def vllm_main() -> None:
     sys.exit(vllm_cli())
 
 
+def cmd_compare(args) -> int:
+    from vllm_kvq.compare import cmd_compare as run
+    return run(args, args.argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-kvq", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -160,11 +165,19 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument(flag, dest=key, default="kivi2" if key == "method" else None,
                        type=int if key in ("bits", "group_size", "residual_tokens") else str)
     s.set_defaults(func=cmd_serve)
+    from vllm_kvq.compare import add_arguments as compare_arguments
+    c = sub.add_parser("compare", help="every method through the real vLLM engine, side by "
+                       "side: memory, speed, quality (markdown, JSON, PNG plots)")
+    compare_arguments(c)
+    c.set_defaults(func=cmd_compare)
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args, rest = build_parser().parse_known_args(argv)
+    if args.command == "compare":  # the report quotes the exact command
+        raw = sys.argv[1:] if argv is None else list(argv)
+        args.argv = raw[raw.index("compare") + 1:] if "compare" in raw else raw
     if rest and args.command != "serve":
         print(f"vllm-kvq: error: unrecognized arguments: {' '.join(rest)}", file=sys.stderr)
         return 2

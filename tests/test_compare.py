@@ -1,0 +1,77 @@
+"""`vllm-kvq compare` on real engines: the real model, real text, our backend.
+
+The quality runs are tests/e2e_driver.py's "quality" scenario (4 x 1024 tokens), shared
+through conftest.run_engine with tests/test_vllm_e2e.py: the same engine runs serve both.
+The scoring, report and plots without engines are tested in tests/test_compare_report.py.
+"""
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import run_engine as run
+
+from vllm_kvq import compare
+from vllm_kvq.formats import parse_format
+
+pytestmark = pytest.mark.e2e
+# the same extra JSON as tests/test_vllm_e2e.py, so the session's cached runs are shared
+FAULT = json.dumps({"env": {"VLLM_KVQ_FAULT": "clobber_cache"}})
+
+
+def kl(method, extra="{}"):
+    return compare.score_quality(run("quality", "bf16"), run("quality", method, extra))
+
+
+def test_bf16_against_itself_real_run():
+    base = run("quality", "bf16")
+    cmp = compare.score_quality(base, base)
+    assert cmp["mean_kl"] == 0.0 and cmp["ppl"] == cmp["ppl_base"]
+    assert cmp["positions"] >= 4000 and cmp["verdict"] == "near-lossless"
+
+
+def test_a_broken_cache_is_detected():
+    """Every stored byte clobbered (VLLM_KVQ_FAULT): the comparison must call it broken,
+    while the same format intact is not."""
+    good = kl("int4_group32")
+    bad = kl("int4_group32", FAULT)
+    assert good["verdict"] != "broken", good
+    assert bad["verdict"] == "broken", bad
+    assert bad["mean_kl"] > 10 * good["mean_kl"]
+
+
+def test_quality_orders_by_bits():
+    kls = {m: kl(m)["mean_kl"] for m in ("int8_group32", "int4_group32", "int2_group32")}
+    print(json.dumps(kls))
+    assert 0 < kls["int8_group32"] < kls["int4_group32"] < kls["int2_group32"], kls
+
+
+def test_kivi2_beats_per_token_int2_at_similar_bytes():
+    kivi, tok = parse_format("kivi2"), parse_format("int2_token")
+    ratio = kivi.layout(64, 128).token_bytes / tok.layout(64, 128).token_bytes
+    assert 0.8 <= ratio <= 1.25, ratio  # similar bytes per token (48 vs 40)
+    a, b = kl("kivi2"), kl("int2_token")
+    print(json.dumps({"kivi2": a, "int2_token": b}))
+    assert a["mean_kl"] < b["mean_kl"], (a, b)
+    assert a["agreement"] > b["agreement"], (a, b)
+
+
+def test_compare_command_end_to_end(tmp_path):
+    """The real command, tiny: bf16 and a deliberately broken int4 through real engines;
+    report, JSON and plots come out, bf16 scores KL 0 against itself, the fault is caught."""
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "-m", "vllm_kvq.cli", "compare", "--methods", "bf16",
+           "--inject-fault", "int4_group32", "--quality-windows", "1", "--quality-window", "512",
+           "--contexts", "512", "--batches", "1", "--decode-tokens", "4",
+           "--passkey-lengths", "1024", "--passkey-positions", "1", "--no-kernel",
+           "--kv-budget", str(256 << 20), "--out", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((out / "results.json").read_text())
+    rows = {r["method"]: r for r in result["rows"]}
+    assert rows["bf16"]["quality"]["mean_kl"] == 0.0
+    assert rows["bf16"]["speed"][0]["decode"][0]["decode_tok_s"] > 0
+    assert rows["bf16"]["capacity_tokens"] > 0
+    assert rows["int4_group32+clobber_cache"]["quality"]["verdict"] == "broken"
+    assert (out / "quality_vs_bytes.png").exists() and (out / "speed_vs_context.png").exists()
+    assert "int4_group32+clobber_cache" in (out / "report.md").read_text()
