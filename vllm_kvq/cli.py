@@ -146,6 +146,15 @@ def cmd_compare(args) -> int:
     return run(args, args.argv)
 
 
+def cmd_calibrate(args) -> int:
+    from vllm_kvq.calibration import CalibrationError, cmd_calibrate as run
+    try:
+        return run(args)
+    except CalibrationError as e:
+        print(f"vllm-kvq calibrate: error: {e}", file=sys.stderr)
+        return 2
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vllm-kvq", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -170,6 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "side: memory, speed, quality (markdown, JSON, PNG plots)")
     compare_arguments(c)
     c.set_defaults(func=cmd_compare)
+    from vllm_kvq.calibration import add_arguments as calibrate_arguments
+    cal = sub.add_parser("calibrate", help="fit non-uniform (nuq) codebooks and outlier "
+                         "thresholds for a model from its keys/values on calibration text")
+    calibrate_arguments(cal)
+    cal.set_defaults(func=cmd_calibrate)
     return p
 
 
