@@ -172,4 +172,65 @@ KVQ_HD uint8_t quantize_fp8(float x, float scale, int32_t encoding) {
   return float_to_fp8(fminf(fmaxf(x / scale, -m), m), encoding);
 }
 
+// ---- nuq: a b-bit index into a per-layer codebook ---------------------------------------
+// Normalisation exactly as INT asymmetric but centred: over the group's dense finite values
+// zero = fp16((hi + lo) / 2), scale = fp16((hi - lo) / 2), so x_norm = (x - zero) / scale
+// lies in [-1, 1]. The codebook is 2^b float32 levels, ascending, in [-1, 1] (one table per
+// layer and side, from the calibration file). code = the nearest level, decided through
+// the fp32 midpoints mid[k] = (level[k] + level[k+1]) * 0.5: code = #{k : x_norm > mid[k]}
+// (a value exactly on a midpoint takes the lower index). x = level[code] * scale + zero.
+// With the uniform grid level[k] = -1 + 2k/(2^b - 1) this is INT asymmetric up to the
+// fp16 rounding of the (different) scale and zero.
+constexpr int kMaxNuqLevels = 16;
+
+KVQ_HD QParams nuq_params(float lo, float hi) {
+  QParams p;
+  p.scale = fp16_to_float(float_to_fp16_sat((hi - lo) / 2.0f));
+  p.zero = fp16_to_float(float_to_fp16_sat((hi + lo) / 2.0f));
+  return p;
+}
+KVQ_HD void nuq_midpoints(const float* levels, int n, float* mids) {
+  for (int k = 0; k + 1 < n; ++k) mids[k] = (levels[k] + levels[k + 1]) * 0.5f;
+}
+// Non-finite policy as INT: NaN -> the level nearest the value 0, +-Inf -> the extremes.
+KVQ_HD uint32_t quantize_nuq(float x, const QParams& p, const float* mids, int n) {
+  x = sanitize(x);
+  if (!(p.scale > 0.0f)) return 0;
+  const float y = (x - p.zero) / p.scale;
+  uint32_t code = 0;
+  for (int k = 0; k + 1 < n; ++k) code += y > mids[k] ? 1u : 0u;
+  return code;
+}
+KVQ_HD float dequantize_nuq(uint32_t code, float scale, float zero, const float* levels) {
+  return levels[code] * scale + zero;
+}
+
+// ---- sparse outliers (Codec.outliers slots per token per kv head) -----------------------
+// The rule, shared by the reference, the CPU and the CUDA kernels: of one token's head_dim
+// values, the `n` finite values of largest |x| (equal |x|: the lower channel first), in that
+// order. They are stored exactly (fp16, saturated) in the token's slots and excluded from
+// the dense scale statistics (min/max of their group, or of their channel over the token
+// group); their dense codes are whatever the group's quantizer gives them (ignored on
+// read: the slot value replaces them). Fewer finite values than slots leave the last slots
+// empty (channel kNoOutlier). Returns how many slots were filled.
+KVQ_HD int select_outliers(const float* x, int D, int n, int32_t* chans) {
+  uint32_t taken[16] = {0};  // D <= 512
+  int filled = 0;
+  for (int j = 0; j < n; ++j) {
+    int best = -1;
+    float bv = -1.0f;
+    for (int d = 0; d < D; ++d) {
+      const float v = x[d];
+      if (!(fabsf(v) <= 3.4028234663852886e38f)) continue;  // NaN / Inf
+      if (taken[d >> 5] >> (d & 31) & 1u) continue;
+      const float a = fabsf(v);
+      if (a > bv) { bv = a; best = d; }
+    }
+    if (best < 0) break;
+    taken[best >> 5] |= 1u << (best & 31);
+    chans[filled++] = best;
+  }
+  return filled;
+}
+
 }  // namespace kvq

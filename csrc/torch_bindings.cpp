@@ -57,29 +57,32 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 TORCH_LIBRARY(vllm_kvq, ops) {
   ops.def(
       "write_cache(Tensor key, Tensor value, Tensor(a!) cache, Tensor slot_mapping, "
-      "int[] k_codec, int[] v_codec, Tensor k_scale, Tensor v_scale) -> ()");
+      "int[] k_codec, int[] v_codec, Tensor k_scale, Tensor v_scale, Tensor k_levels, "
+      "Tensor v_levels) -> ()");
   ops.def(
       "paged_attention(Tensor(a!) out, Tensor query, Tensor cache, Tensor block_table, "
       "Tensor seq_lens, Tensor query_start_loc, Tensor staging_k, Tensor staging_v, "
       "Tensor staging_start_loc, Tensor staging_pos0, int residual_chunk, "
       "float softmax_scale, int[] k_codec, int[] v_codec, Tensor k_scale, "
-      "Tensor v_scale) -> ()");
+      "Tensor v_scale, Tensor k_levels, Tensor v_levels) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vllm_kvq, CPU, ops) {
   ops.impl("write_cache", [](const at::Tensor& key, const at::Tensor& value, at::Tensor cache,
                              const at::Tensor& slots, c10::IntArrayRef kc, c10::IntArrayRef vc,
-                             const at::Tensor& ks, const at::Tensor& vs) {
-    kvq_cpu::write_cache(key, value, cache, slots, kc.vec(), vc.vec(), ks, vs);
+                             const at::Tensor& ks, const at::Tensor& vs, const at::Tensor& kl,
+                             const at::Tensor& vl) {
+    kvq_cpu::write_cache(key, value, cache, slots, kc.vec(), vc.vec(), ks, vs, kl, vl);
   });
   ops.impl("paged_attention",
            [](at::Tensor out, const at::Tensor& q, const at::Tensor& cache,
               const at::Tensor& bt, const at::Tensor& sl, const at::Tensor& qsl,
               const at::Tensor& sk, const at::Tensor& sv, const at::Tensor& ssl,
               const at::Tensor& sp0, int64_t r, double scale, c10::IntArrayRef kc,
-              c10::IntArrayRef vc, const at::Tensor& ks, const at::Tensor& vs) {
+              c10::IntArrayRef vc, const at::Tensor& ks, const at::Tensor& vs,
+              const at::Tensor& kl, const at::Tensor& vl) {
              kvq_cpu::paged_attention(out, q, cache, bt, sl, qsl, sk, sv, ssl, sp0, r, scale,
-                                      kc.vec(), vc.vec(), ks, vs);
+                                      kc.vec(), vc.vec(), ks, vs, kl, vl);
            });
 }
 

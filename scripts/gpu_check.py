@@ -202,13 +202,17 @@ class Ops:
         self.ops = None if mod else torch.ops.vllm_kvq
 
     def write(self, k, v, cache, slots, fmt, ks, vs):
+        import torch
         f = self.mod.write_cache if self.mod else self.ops.write_cache
-        f(k, v, cache, slots, fmt.key.as_ints(), fmt.value.as_ints(), ks, vs)
+        none = torch.empty(0, dtype=torch.float32, device=cache.device)  # no nuq codebooks
+        f(k, v, cache, slots, fmt.key.as_ints(), fmt.value.as_ints(), ks, vs, none, none)
 
     def attn(self, out, c, fmt, ks, vs):
+        import torch
         f = self.mod.paged_attention if self.mod else self.ops.paged_attention
+        none = torch.empty(0, dtype=torch.float32, device=c["cache"].device)
         f(out, c["q"], c["cache"], c["bt"], c["sl"], c["qsl"], c["sk"], c["sv"], c["ssl"], c["sp0"],
-          c["R"], c["scale"], fmt.key.as_ints(), fmt.value.as_ints(), ks, vs)
+          c["R"], c["scale"], fmt.key.as_ints(), fmt.value.as_ints(), ks, vs, none, none)
 
 
 class EmuOps(Ops):

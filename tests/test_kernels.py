@@ -250,10 +250,12 @@ def test_write_cache_argument_errors():
         f2 = parse_format("int8_tensor_sym")
         c2 = torch.zeros(2, H, B, f2.layout(D, B).token_bytes, dtype=torch.uint8)
         ops.write_cache(x, x, c2, s, f2)
-    from vllm_kvq.formats import Codec, KVFormat
-    outl = KVFormat("x", Codec("int", 4, "token", outliers=2), Codec("int", 4, "token"))
-    with pytest.raises(ValueError, match="outliers=2 are not implemented"):
-        ops.write_cache(x, x, cache, s, outl)
+    fn = parse_format("nuq3_token")
+    cn = torch.zeros(2, H, B, fn.layout(D, B).token_bytes, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="k_levels is required for the nuq codec"):
+        ops.write_cache(x, x, cn, s, fn)
+    with pytest.raises(ValueError, match="k_levels: codec int4/token takes no codebook"):
+        ops.write_cache(x, x, cache, s, fmt, k_levels=torch.zeros(16))
     with pytest.raises(RuntimeError, match="past the cache"):
         ops.write_cache(x, x, cache, torch.tensor([0, 1, 2, 2 * B]), fmt)
 
@@ -264,10 +266,14 @@ def test_write_cache_argument_errors():
 SEQS = [(40, 40), (90, 25), (20, 0), (61, 1), (270, 30), (300, 1)]
 
 
-def build_case(name, D, B, gq, H, dtype, seqs=SEQS, seed=0, kind="normal", extra_rows=3):
+def build_case(name, D, B, gq, H, dtype, seqs=SEQS, seed=0, kind="normal", extra_rows=3,
+               levels=(None, None), tokens=None):
     """Cache written with ops.write_cache (byte-identical to the reference, tested above),
-    staging rows for positions >= floor((first+1)/R)*R, shuffled block tables."""
-    fmt = parse_format(name)
+    staging rows for positions >= floor((first+1)/R)*R, shuffled block tables.
+    levels: (k_levels, v_levels) of nuq formats; tokens(s, L) -> (k, v) [L, H, D] replaces
+    the generated K/V of sequence s."""
+    fmt = parse_format(name) if isinstance(name, str) else name
+    kl, vl = levels
     lay = fmt.layout(D, B)
     R = fmt.residual_chunk
     gen = torch.Generator().manual_seed(seed)
@@ -288,13 +294,15 @@ def build_case(name, D, B, gq, H, dtype, seqs=SEQS, seed=0, kind="normal", extra
         used += nblk[s]
         k = make_tokens(kind, L, H, D, gen).to(dtype)
         v = make_tokens(kind, L, H, D, gen).to(dtype)
+        if tokens is not None:
+            k, v = (t.to(dtype) for t in tokens(s, L))
         if kind == "adversarial":  # the special tokens land mid-sequence
             k, v = k.roll(L // 3, 0), v.roll(L // 3, 0)
         Fp = L // R * R  # positions < Fp are in the pages
         if Fp:
             pos = torch.arange(Fp)
             slots = block_table[s, pos // B].to(torch.int64) * B + pos % B
-            ops.write_cache(k[:Fp], v[:Fp], cache, slots, fmt, ks, vs)
+            ops.write_cache(k[:Fp], v[:Fp], cache, slots, fmt, ks, vs, kl, vl)
         first = L - nq
         p0 = min((first + 1) // R * R, L) if R > 1 else L
         st_pos0.append(p0)
@@ -307,7 +315,7 @@ def build_case(name, D, B, gq, H, dtype, seqs=SEQS, seed=0, kind="normal", extra
     case = dict(fmt=fmt, lay=lay, query=q, cache=cache, block_table=block_table,
                 seq_lens=torch.tensor([L for L, _ in seqs], dtype=torch.int32),
                 query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-                softmax_scale=D ** -0.5, k_scale=ks, v_scale=vs)
+                softmax_scale=D ** -0.5, k_scale=ks, v_scale=vs, k_levels=kl, v_levels=vl)
     if R > 1:
         case.update(staging_k=torch.cat(stk), staging_v=torch.cat(stv),
                     staging_start_loc=torch.tensor(st_loc, dtype=torch.int32),
@@ -320,7 +328,7 @@ def run_ref(c):
         c["query"], c["cache"], c["block_table"], c["seq_lens"], c["query_start_loc"],
         c["fmt"], c["lay"], c["softmax_scale"], c["k_scale"], c["v_scale"],
         c.get("staging_k"), c.get("staging_v"), c.get("staging_start_loc"),
-        c.get("staging_pos0"))
+        c.get("staging_pos0"), c.get("k_levels"), c.get("v_levels"))
 
 
 def run_mine(c, path=None, **over):
@@ -332,7 +340,8 @@ def run_mine(c, path=None, **over):
             args["query"], args["cache"], args["block_table"], args["seq_lens"],
             args["query_start_loc"], args["fmt"], args["softmax_scale"], args["k_scale"],
             args["v_scale"], args.get("staging_k"), args.get("staging_v"),
-            args.get("staging_start_loc"), args.get("staging_pos0"), out=sentinel)
+            args.get("staging_start_loc"), args.get("staging_pos0"), out=sentinel,
+            k_levels=args.get("k_levels"), v_levels=args.get("v_levels"))
     n = int(args["query_start_loc"][-1])
     assert torch.all(out[n:] == 7.0), "rows past query_start_loc[-1] must be left untouched"
     return out[:n]

@@ -12,6 +12,8 @@ Impl. Registered as AttentionBackendEnum.CUSTOM by vllm_kvq.plugin; selected wit
   in aligned chunks; the recent ones live in a per-layer full-precision pool whose slots
   vllm_kvq.residual assigns.
 - Reads: one kernel call per layer for the whole mixed batch (vllm_kvq.ops).
+- nuq formats: each layer passes its own codebooks (the calibration file's levels for that
+  layer index, taken from the layer name, e.g. model.layers.12.self_attn.attn -> 12).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, Attentio
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from vllm_kvq import ops
-from vllm_kvq.config import KVQConfig, config_from_vllm
+from vllm_kvq.config import KVQConfig, config_from_vllm, load_levels
 from vllm_kvq.formats import SUPPORTED_HEAD_SIZES
 from vllm_kvq.residual import ResidualSlots, StepPlan, plan_tensors, stage_and_write
 
@@ -44,6 +46,27 @@ def active_config(vllm_config: VllmConfig | None = None) -> KVQConfig:
     if _ACTIVE is None:
         _ACTIVE = config_from_vllm(get_current_vllm_config())
     return _ACTIVE
+
+
+def model_levels(config: KVQConfig, vllm_config: VllmConfig) -> list[tuple]:
+    """Per layer (k_levels, v_levels) of a nuq format, from its calibration file (loaded
+    once per process and checked against the model); [] for other formats."""
+    if not config.fmt.needs_levels:
+        return []
+    model = vllm_config.model_config
+    return load_levels(config, num_layers=model.get_num_layers(vllm_config.parallel_config),
+                       num_kv_heads=model.get_total_num_kv_heads(),
+                       head_dim=model.get_head_size(),
+                       model_type=getattr(model.hf_config, "model_type", None))
+
+
+def layer_index(layer_name: str) -> int:
+    """The decoder layer index in a vLLM attention layer name."""
+    nums = [int(p) for p in layer_name.split(".") if p.isdigit()]
+    if len(nums) != 1:
+        raise ValueError(f"vllm-kvq: cannot tell the layer index of attention layer "
+                         f"{layer_name!r} (nuq codebooks are per layer)")
+    return nums[0]
 
 
 def residual_slot_count(vllm_config: VllmConfig) -> int:
@@ -186,6 +209,8 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
         if self.fault not in ("", "clobber_cache"):
             raise ValueError(f"VLLM_KVQ_FAULT={self.fault!r}; allowed: clobber_cache")
         self.v_scale = torch.full((H,), self.config.v_scale, dtype=torch.float32)
+        self.all_levels = model_levels(self.config, vllm_config)
+        self.levels: tuple | None = None  # this layer's (k_levels, v_levels), set on first use
 
     def _residual_pool(self, key: torch.Tensor) -> torch.Tensor:
         if self.pool is None:
@@ -207,15 +232,26 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
         q, k, v = query[:n], key[:n], value[:n]
         if self.k_scale.device != query.device:
             self.k_scale, self.v_scale = self.k_scale.to(query.device), self.v_scale.to(query.device)
+        if self.levels is None:
+            if self.all_levels:
+                idx = layer_index(layer.layer_name)
+                if idx >= len(self.all_levels):
+                    raise ValueError(f"vllm-kvq: layer {layer.layer_name!r} has index {idx}, "
+                                     f"the calibration covers {len(self.all_levels)} layers")
+                self.levels = tuple(None if t is None else t.to(query.device)
+                                    for t in self.all_levels[idx])
+            else:
+                self.levels = (None, None)
+        kl, vl = self.levels
         staging = {}
         if md.plan is None:
             ops.write_cache(k, v, kv_cache, md.slot_mapping[:n], self.fmt,
-                            self.k_scale, self.v_scale)
+                            self.k_scale, self.v_scale, kl, vl)
         else:
             st_k, st_v = stage_and_write(
                 md, k, v, self._residual_pool(k),
                 lambda sk, sv, slots: ops.write_cache(sk, sv, kv_cache, slots, self.fmt,
-                                                      self.k_scale, self.v_scale))
+                                                      self.k_scale, self.v_scale, kl, vl))
             staging = dict(staging_k=st_k, staging_v=st_v,
                            staging_start_loc=md.staging_start_loc,
                            staging_pos0=md.staging_pos0)
@@ -223,5 +259,5 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
             kv_cache.fill_(0x3C)
         ops.paged_attention(q, kv_cache, md.block_table, md.seq_lens, md.query_start_loc,
                             self.fmt, self.scale, self.k_scale, self.v_scale,
-                            out=output[:n], **staging)
+                            out=output[:n], k_levels=kl, v_levels=vl, **staging)
         return output

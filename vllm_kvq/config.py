@@ -1,21 +1,28 @@
 """The user's KV-cache configuration: `--additional-config '{"kvq": {...}}'`, validated once.
 
 Keys (all optional but `method`):
-  method             a format name (see formats.py: "int4_group32", "kivi2", ...) or a family:
-                     "bf16", "fp16", "fp8" (e4m3), "fp8_e5m2", "int", "kivi"
-  bits               int 2/3/4/8 (int), 2/4 (kivi)
+  method             a format name (see formats.py: "int4_group32", "kivi2", "nuq3", ...) or
+                     a family: "bf16", "fp16", "fp8" (e4m3), "fp8_e5m2", "int", "kivi", "nuq"
+  bits               int 2/3/4/8 (int), 2/4 (kivi), 2/3/4 (nuq)
   group_size         channels per scale (group granularity) / tokens per scale (channel)
   key_granularity    tensor | head | token | group | channel
   value_granularity  tensor | head | token | group | channel
   residual_tokens    recent tokens kept in full precision (0 = none)
   symmetric          bool
   k_scale, v_scale   static scales (float) for tensor/head granularity
-  calibration        path of a calibration file (used by nuq formats, issue 5)
+  outlier_fraction   p in (0, 0.1]: ceil(p * head_dim) values of every token (per kv head,
+                     keys and values) stored exactly in sparse outlier slots (int and nuq)
+  calibration        path of a calibration file (`vllm-kvq calibrate`): the nuq codebooks.
+                     nuq formats need one; without this key the model's shipped default
+                     (vllm_kvq.calibration.default_calibration_path) is used if there is one.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from vllm_kvq.formats import (KIVI_DEFAULT_GROUP, Codec, FormatError,
@@ -23,26 +30,42 @@ from vllm_kvq.formats import (KIVI_DEFAULT_GROUP, Codec, FormatError,
 
 CONFIG_KEY = "kvq"
 ALLOWED_KEYS = ("method", "bits", "group_size", "key_granularity", "value_granularity",
-                "residual_tokens", "symmetric", "k_scale", "v_scale", "calibration")
-FAMILIES = ("bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2", "int", "kivi")
+                "residual_tokens", "symmetric", "k_scale", "v_scale", "calibration",
+                "outlier_fraction")
+FAMILIES = ("bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2", "int", "kivi", "nuq")
 DEFAULT_INT_GROUP = 32
+DEFAULT_NUQ_BITS = 3
+MAX_OUTLIER_FRACTION = 0.1
 
 
 @dataclass(frozen=True)
 class KVQConfig:
-    fmt: KVFormat
+    fmt: KVFormat          # with outlier_fraction: its slots only once head_dim is known
     k_scale: float = 1.0
     v_scale: float = 1.0
     calibration: str | None = None
+    outlier_fraction: float | None = None
 
     @property
     def name(self) -> str:
         return self.fmt.name
 
+    def for_head_dim(self, head_dim: int) -> "KVQConfig":
+        """fmt with outlier_fraction turned into ceil(p * head_dim) slots per token."""
+        if not self.outlier_fraction:
+            return self
+        return dataclasses.replace(
+            self, fmt=self.fmt.with_outliers(outlier_slots(self.outlier_fraction, head_dim)))
+
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.fmt.name, "residual_tokens": self.fmt.residual_tokens,
                 "k_scale": self.k_scale, "v_scale": self.v_scale,
-                "calibration": self.calibration}
+                "calibration": self.calibration, "outlier_fraction": self.outlier_fraction}
+
+
+def outlier_slots(fraction: float, head_dim: int) -> int:
+    """Outlier slots per token per kv head for a fraction of head_dim (rounded up)."""
+    return max(1, math.ceil(fraction * head_dim - 1e-9))
 
 
 def _int_key(d: dict, key: str, default=None) -> int | None:
@@ -77,6 +100,8 @@ def _family_format(method: str, d: dict) -> KVFormat:
         bits = 2 if bits is None else bits
         g = group or KIVI_DEFAULT_GROUP
         return parse_format(f"kivi{bits}" if g == KIVI_DEFAULT_GROUP else f"kivi{bits}_k{g}_g{g}")
+    if method == "nuq":  # the default nuq format of that width (formats.NUQ_DEFAULTS)
+        return parse_format(f"nuq{DEFAULT_NUQ_BITS if bits is None else bits}")
     # int: per-group of 32 channels unless told otherwise
     bits = 8 if bits is None else bits
     return parse_format(f"int{bits}_group{group or DEFAULT_INT_GROUP}")
@@ -113,8 +138,9 @@ def _with_overrides(fmt: KVFormat, d: dict) -> KVFormat:
     return KVFormat(f"{fmt.name}[{given}]", k, v, r)
 
 
-def config_from_dict(d: dict | None) -> KVQConfig:
-    """Validate the `kvq` dict; FormatError names the key, the value and what is allowed."""
+def config_from_dict(d: dict | None, head_dim: int | None = None) -> KVQConfig:
+    """Validate the `kvq` dict; FormatError names the key, the value and what is allowed.
+    With head_dim, outlier_fraction becomes outlier slots in fmt (else see for_head_dim)."""
     if d is None:
         raise FormatError(f'no "{CONFIG_KEY}" configuration: pass --additional-config '
                           f'\'{{"{CONFIG_KEY}": {{"method": "kivi2"}}}}\'')
@@ -132,6 +158,20 @@ def config_from_dict(d: dict | None) -> KVQConfig:
         fmt = _with_overrides(fmt, d)
     except (FormatError, TypeError, ValueError) as e:
         raise FormatError(f"kvq.method={method!r}: {e}") from None
+    p = d.get("outlier_fraction")
+    if p is not None:
+        try:
+            p = float(p)
+        except (TypeError, ValueError):
+            p = None
+        if p is None or isinstance(d["outlier_fraction"], bool) or \
+                not 0 < p <= MAX_OUTLIER_FRACTION:
+            raise FormatError(f"kvq.outlier_fraction={d['outlier_fraction']!r} is not allowed; "
+                              f"allowed: a number in (0, {MAX_OUTLIER_FRACTION}] (e.g. 0.01: "
+                              f"1% of each token's values stored exactly)")
+        if not any(c.encoding in ("int", "nuq") for c in (fmt.key, fmt.value)):
+            raise FormatError(f"kvq.outlier_fraction={d['outlier_fraction']!r} is not allowed "
+                              f"with kvq.method={method!r}; allowed with int and nuq formats")
     scales = {}
     for key in ("k_scale", "v_scale"):
         v = d.get(key, 1.0)
@@ -141,9 +181,80 @@ def config_from_dict(d: dict | None) -> KVQConfig:
             raise FormatError(f"kvq.{key}={v!r} must be a positive number") from None
         if not scales[key] > 0:
             raise FormatError(f"kvq.{key}={v!r} must be a positive number")
-    return KVQConfig(fmt=fmt, calibration=d.get("calibration"), **scales)
+    cal = d.get("calibration")
+    if cal is not None and (not isinstance(cal, (str, Path)) or not str(cal)):
+        raise FormatError(f"kvq.calibration={cal!r} must be the path of a calibration file")
+    cfg = KVQConfig(fmt=fmt, calibration=None if cal is None else str(cal),
+                    outlier_fraction=p, **scales)
+    return cfg.for_head_dim(head_dim) if head_dim else cfg
 
 
 def config_from_vllm(vllm_config) -> KVQConfig:
+    """The validated config of an engine: outlier slots for the model's head_dim, and for
+    nuq formats the calibration file resolved (kvq.calibration, else the model's default)."""
     extra = getattr(vllm_config, "additional_config", None) or {}
-    return config_from_dict(extra.get(CONFIG_KEY))
+    model = getattr(vllm_config, "model_config", None)
+    head_dim = model.get_head_size() if model is not None else None
+    cfg = config_from_dict(extra.get(CONFIG_KEY), head_dim=head_dim)
+    if cfg.fmt.needs_levels and model is not None:
+        cfg = resolve_calibration(cfg, model.model)
+    return cfg
+
+
+def resolve_calibration(cfg: KVQConfig, model: str | None) -> KVQConfig:
+    """cfg with `calibration` set to an existing file: the given one, else the model's
+    shipped default; FormatError (before any engine starts) when there is none."""
+    if not cfg.fmt.needs_levels:
+        return cfg
+    path = cfg.calibration
+    if path is None:
+        from vllm_kvq.calibration import default_calibration_path
+        found = default_calibration_path(model) if model else None
+        if found is None:
+            raise FormatError(
+                f"kvq.method={cfg.fmt.name!r} is a nuq (codebook) format and needs a "
+                f"calibration file for model {model!r}: none was given (kvq.calibration) and "
+                f"none ships for this model. Run `vllm-kvq calibrate` for it and pass "
+                f"--additional-config '{{\"kvq\": {{\"method\": \"{cfg.fmt.name}\", "
+                f"\"calibration\": \"PATH\"}}}}'")
+        path = str(found)
+    if not Path(path).is_file():
+        raise FormatError(f"kvq.calibration={path!r} does not exist or is not a file; "
+                          f"create one with `vllm-kvq calibrate`")
+    return dataclasses.replace(cfg, calibration=str(path))
+
+
+def load_levels(cfg: KVQConfig, *, num_layers: int, num_kv_heads: int, head_dim: int,
+                model_type: str | None = None) -> list[tuple]:
+    """Per layer, (k_levels, v_levels): the float32 codebooks of the format's nuq codecs
+    (None for a side that is not nuq), from cfg.calibration. Raises FormatError naming the
+    file and what does not match the model (or which codebooks it lacks)."""
+    if not cfg.fmt.needs_levels:
+        return [(None, None)] * num_layers
+    if cfg.calibration is None:
+        raise FormatError(f"kvq.method={cfg.fmt.name!r} needs kvq.calibration")
+    return _load_levels(cfg.calibration, cfg.fmt.key, cfg.fmt.value, num_layers, num_kv_heads,
+                        head_dim, model_type)
+
+
+@lru_cache(maxsize=8)
+def _load_levels(path, kc, vc, num_layers, num_kv_heads, head_dim, model_type):
+    from vllm_kvq.calibration import CalibrationError, load_calibration
+    from vllm_kvq.reference import check_levels
+    try:
+        cal = load_calibration(path, num_layers=num_layers, num_kv_heads=num_kv_heads,
+                               head_dim=head_dim, model_type=model_type)
+        out = []
+        for layer in range(num_layers):
+            pair = []
+            for side, c in (("k", kc), ("v", vc)):
+                if c.encoding != "nuq":
+                    pair.append(None)
+                    continue
+                lv = cal.levels(layer, side, c.bits, c.gran_name)
+                pair.append(check_levels(lv, c, f"calibration {path}: layer {layer} {side} "
+                                                f"levels"))
+            out.append(tuple(pair))
+    except (CalibrationError, ValueError) as e:
+        raise FormatError(f"kvq.calibration={str(path)!r}: {e}") from None
+    return out

@@ -14,7 +14,14 @@ Names (`parse_format`):
   int{8,4,3,2}_channel{G}            scale+zero per channel over G tokens (keys and values)
   int{8,4,3,2}_tensor                static symmetric scale (k_scale/v_scale required)
   kivi{2,4}                          keys per channel over 32 tokens, values per 32 channels
-  suffixes: _sym (symmetric), _r{R} (R recent tokens in full precision),
+  nuq{2,3,4}_token|_group{g}|_channel{G}
+                                     non-uniform: a b-bit index into a per-layer codebook
+                                     (from the calibration file) with scale+zero like int
+  nuq{2,3,4}                         the default nuq format of that width (NUQ_DEFAULTS
+                                     below, with the measurement behind the choice)
+  suffixes: _sym (symmetric int), _o{N} (N outlier slots per token per kv head, int and
+            nuq: the N largest |x| of a token are stored exactly as fp16 and left out of the
+            dense scale), _r{R} (R recent tokens in full precision), in that order;
             kivi also takes _k{G} (key token group) and _g{g} (value channel group)
 """
 from __future__ import annotations
@@ -30,6 +37,7 @@ GRANULARITIES = {"none": 0, "tensor": 1, "head": 2, "token": 3, "group": 4, "cha
 INT_BITS = (2, 3, 4, 8)
 NUQ_BITS = (2, 3, 4)
 CHANNEL_GROUPS = (16, 32, 64, 128)
+MAX_OUTLIERS = 64
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)
 KIVI_DEFAULT_GROUP = 32
 KIVI_DEFAULT_RESIDUAL = 128
@@ -76,6 +84,12 @@ class Codec:
         elif self.encoding == "nuq":
             if self.bits not in NUQ_BITS:
                 raise _allowed("nuq bits", self.bits, NUQ_BITS)
+            if self.granularity not in ("token", "group", "channel"):
+                raise _allowed("nuq granularity", self.granularity,
+                               ("token", "group", "channel"))
+            if self.symmetric:
+                raise FormatError("nuq scales are asymmetric (scale and zero-point); "
+                                  "_sym is not allowed")
         if self.granularity in ("group", "channel"):
             if self.group not in CHANNEL_GROUPS:
                 raise _allowed(f"{self.granularity} size", self.group, CHANNEL_GROUPS)
@@ -83,8 +97,12 @@ class Codec:
             raise FormatError(f"group={self.group} only applies to group/channel granularity")
         if self.granularity in ("tensor", "head") and self.encoding == "int" and not self.symmetric:
             raise FormatError("static (tensor/head) integer scales are symmetric: add _sym")
-        if self.outliers < 0 or self.outliers > 64:
-            raise FormatError(f"outliers={self.outliers} per token is not allowed; allowed: 0..64")
+        if self.outliers < 0 or self.outliers > MAX_OUTLIERS:
+            raise FormatError(f"outliers={self.outliers} per token is not allowed; "
+                              f"allowed: 0..{MAX_OUTLIERS}")
+        if self.outliers and self.encoding not in ("int", "nuq"):
+            raise FormatError(f"outlier slots apply to int and nuq codecs, not "
+                              f"{self.encoding}")
 
     def check_shape(self, head_dim: int, block_size: int) -> None:
         if self.granularity == "group" and head_dim % self.group:
@@ -103,6 +121,11 @@ class Codec:
     @property
     def static_scale(self) -> bool:
         return self.granularity in ("tensor", "head")
+
+    @property
+    def gran_name(self) -> str:
+        """"token", "group32", "channel32", ...: how calibration files name granularities."""
+        return self.granularity + (str(self.group) if self.group else "")
 
     def as_ints(self) -> list[int]:
         """The int[6] every op takes (kvq::Codec field order)."""
@@ -171,6 +194,26 @@ class KVFormat:
     def is_baseline(self) -> bool:
         return self.key.is_float and self.value.is_float and self.residual_tokens == 0
 
+    @property
+    def needs_levels(self) -> bool:
+        """Whether the kernels need codebooks (a calibration file) for this format."""
+        return self.key.encoding == "nuq" or self.value.encoding == "nuq"
+
+    @property
+    def outliers(self) -> int:
+        return max(self.key.outliers, self.value.outliers)
+
+    def with_outliers(self, n: int) -> "KVFormat":
+        """The same format with n outlier slots per token for every int/nuq codec."""
+        name = re.sub(r"_o\d+(?=(_r\d+)?$)", "", self.name)
+        if n:
+            m = re.search(r"_r\d+$", name)
+            name = name[:m.start()] + f"_o{n}" + m.group() if m else f"{name}_o{n}"
+        def c(codec):
+            return dataclasses.replace(codec, outliers=n) \
+                if codec.encoding in ("int", "nuq") else codec
+        return dataclasses.replace(self, name=name, key=c(self.key), value=c(self.value))
+
     def check(self, head_dim: int, block_size: int) -> None:
         if head_dim not in SUPPORTED_HEAD_SIZES:
             raise _allowed("head_dim", head_dim, SUPPORTED_HEAD_SIZES)
@@ -227,11 +270,20 @@ class KVFormat:
 
 # --- names ------------------------------------------------------------------------------
 _INT_RE = re.compile(r"^int(?P<bits>\d+)_(?P<gran>tensor|head|token|group(?P<g>\d+)|"
-                     r"channel(?P<G>\d+))(?P<sym>_sym)?(?:_r(?P<r>\d+))?$")
+                     r"channel(?P<G>\d+))(?P<sym>_sym)?(?:_o(?P<o>\d+))?(?:_r(?P<r>\d+))?$")
+_NUQ_RE = re.compile(r"^nuq(?P<bits>\d+)_(?P<gran>token|group(?P<g>\d+)|channel(?P<G>\d+))"
+                     r"(?:_o(?P<o>\d+))?(?:_r(?P<r>\d+))?$")
+_NUQ_ALIAS_RE = re.compile(r"^nuq(?P<bits>\d+)(?:_o(?P<o>\d+))?(?:_r(?P<r>\d+))?$")
 _FP8_RE = re.compile(r"^(?P<enc>fp8_e4m3|fp8_e5m2)(?:_(?P<gran>tensor|head|token))?"
                      r"(?:_r(?P<r>\d+))?$")
 _KIVI_RE = re.compile(r"^kivi(?P<bits>\d+)(?:_k(?P<G>\d+))?(?:_g(?P<g>\d+))?(?:_r(?P<r>\d+))?$")
 _FLOAT_RE = re.compile(r"^(?P<enc>bf16|fp16)(?:_r(?P<r>\d+))?$")
+
+# The KVQuant-style default of each nuq width: (key codec, value codec, residual tokens).
+# Provisional (per-token scales, one outlier slot per token, keys and values) until the
+# measurement on captured SmolLM2 K/V picks one (benchmarks/nuq_measure.py).
+NUQ_DEFAULTS = {b: (Codec("nuq", b, "token", outliers=1), Codec("nuq", b, "token", outliers=1),
+                    0) for b in NUQ_BITS}
 
 EXAMPLE_NAMES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_token", "int8_token",
                  "int8_group32", "int4_token", "int4_group32", "int4_group32_r128",
@@ -255,8 +307,22 @@ def parse_format(name: str) -> KVFormat:
         return KVFormat(name, c, c, _int(m, "r"))
     if m := _INT_RE.match(name):
         gran = re.sub(r"\d+$", "", m["gran"])
-        c = Codec("int", int(m["bits"]), gran, _int(m, "g") or _int(m, "G"), bool(m["sym"]))
+        c = Codec("int", int(m["bits"]), gran, _int(m, "g") or _int(m, "G"), bool(m["sym"]),
+                  _int(m, "o"))
         return KVFormat(name, c, c, _int(m, "r"))
+    if m := _NUQ_RE.match(name):
+        gran = re.sub(r"\d+$", "", m["gran"])
+        c = Codec("nuq", int(m["bits"]), gran, _int(m, "g") or _int(m, "G"),
+                  outliers=_int(m, "o"))
+        return KVFormat(name, c, c, _int(m, "r"))
+    if m := _NUQ_ALIAS_RE.match(name):
+        bits = int(m["bits"])
+        if bits not in NUQ_DEFAULTS:
+            raise _allowed("nuq bits", bits, NUQ_BITS)
+        k, v, r = NUQ_DEFAULTS[bits]
+        if m["o"] is not None:
+            k, v = (dataclasses.replace(c, outliers=int(m["o"])) for c in (k, v))
+        return KVFormat(name, k, v, _int(m, "r", r))
     if m := _KIVI_RE.match(name):
         bits = int(m["bits"])
         if bits not in (2, 4):
@@ -267,4 +333,6 @@ def parse_format(name: str) -> KVFormat:
     raise FormatError(
         f"unknown format {name!r}; allowed: bf16, fp16, fp8_e4m3[_tensor|_head|_token], "
         f"fp8_e5m2[...], int{{8,4,3,2}}_{{tensor_sym|head_sym|token|group<g>|channel<G>}}"
-        f"[_sym][_r<R>], kivi{{2,4}}[_k<G>][_g<g>][_r<R>] — e.g. {', '.join(EXAMPLE_NAMES)}")
+        f"[_sym][_o<N>][_r<R>], nuq{{2,3,4}}[_{{token|group<g>|channel<G>}}][_o<N>][_r<R>], "
+        f"kivi{{2,4}}[_k<G>][_g<g>][_r<R>] — e.g. {', '.join(EXAMPLE_NAMES)}, nuq3, "
+        f"int4_token_o1, nuq3_group32_o1")

@@ -6,6 +6,9 @@ tensor contents (block ids in range, whole per-channel groups in slot_mapping, s
 present) are done again by the C++ ops, also before they write anything.
 
 Semantics are those of vllm_kvq/reference.py (write_cache, paged_attention).
+
+nuq codecs need their layer's codebooks: k_levels / v_levels, float32 [2^bits] ascending in
+[-1, 1] (vllm_kvq.calibration.Calibration.levels); other codecs take none.
 """
 from __future__ import annotations
 
@@ -57,12 +60,6 @@ def _check_index(name: str, t, dims: int) -> None:
 
 def _check_codec(fmt: KVFormat) -> None:
     for side, c in (("key", fmt.key), ("value", fmt.value)):
-        if c.outliers:
-            _fail(f"format {fmt.name!r}: {side} outliers={c.outliers} are not implemented "
-                  f"yet; allowed: 0")
-        if c.encoding == "nuq":
-            _fail(f"format {fmt.name!r}: {side} encoding 'nuq' is not implemented yet; allowed: "
-                  f"fp16, bf16, fp8_e4m3, fp8_e5m2, int")
         if c.granularity == "channel" and fmt.residual_chunk % c.group:
             _fail(f"format {fmt.name!r}: per-channel {side} groups of {c.group} tokens need "
                   f"residual_tokens a positive multiple of {c.group}, got "
@@ -113,6 +110,34 @@ def _static_scales(s, codec: Codec, H: int, name: str, device) -> torch.Tensor:
     return t.expand(H).contiguous().to(device)
 
 
+_NO_LEVELS: dict = {}
+
+
+def _levels(levels, codec: Codec, name: str, fmt: KVFormat, device) -> torch.Tensor:
+    """float32 [2^bits] on the cache's device for a nuq codec; an empty tensor otherwise.
+    (Checked on a Python list: this runs per layer per step.)"""
+    if codec.encoding != "nuq":
+        if levels is not None and (not isinstance(levels, torch.Tensor) or levels.numel()):
+            _fail(f"format {fmt.name!r}: {name}: codec {codec.describe()} takes no codebook")
+        if device not in _NO_LEVELS:
+            _NO_LEVELS[device] = torch.empty(0, dtype=torch.float32, device=device)
+        return _NO_LEVELS[device]
+    n = 2 ** codec.bits
+    if levels is None:
+        _fail(f"format {fmt.name!r}: {name} is required for the nuq codec {codec.describe()}: "
+              f"{n} float32 levels (vllm_kvq.calibration: Calibration.levels)")
+    t = levels if isinstance(levels, torch.Tensor) else torch.as_tensor(levels)
+    vals = t.reshape(-1).tolist()
+    if len(vals) != n:
+        _fail(f"format {fmt.name!r}: {name} has {len(vals)} levels; codec {codec.describe()} "
+              f"needs {n}")
+    if not all(-1.0 <= v <= 1.0 for v in vals):  # also rejects NaN
+        _fail(f"format {fmt.name!r}: {name} must be finite and within [-1, 1], got {vals}")
+    if any(b < a for a, b in zip(vals, vals[1:])):
+        _fail(f"format {fmt.name!r}: {name} must be sorted ascending, got {vals}")
+    return t.reshape(-1).to(device=device, dtype=torch.float32).contiguous()
+
+
 def _check_channel_groups(slot_mapping: torch.Tensor, codec: Codec, side: str) -> None:
     """Per-channel codecs: every entry with a slot must be in a whole aligned group of G
     consecutive slots (the same rule as the reference)."""
@@ -131,12 +156,13 @@ def _check_channel_groups(slot_mapping: torch.Tensor, codec: Codec, side: str) -
 
 
 def write_cache(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
-                slot_mapping: torch.Tensor, fmt: KVFormat, k_scale=None, v_scale=None) -> None:
+                slot_mapping: torch.Tensor, fmt: KVFormat, k_scale=None, v_scale=None,
+                k_levels=None, v_levels=None) -> None:
     """Quantize key/value [N, H, D] into their slots of cache (slot -1 = padding).
 
     Rows of key/value beyond len(slot_mapping) are ignored (vLLM pads them).
     k_scale/v_scale: static scales of tensor/head codecs (float or [H]); fp8 defaults to 1.0,
-    static int codecs require them.
+    static int codecs require them. k_levels/v_levels: codebooks of nuq codecs.
     """
     _check_float("key", key)
     _check_float("value", value)
@@ -159,12 +185,14 @@ def write_cache(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
               f"{value.device}, {cache.device}, {slot_mapping.device}")
     ks = _static_scales(k_scale, fmt.key, H, "k_scale", cache.device)
     vs = _static_scales(v_scale, fmt.value, H, "v_scale", cache.device)
+    kl = _levels(k_levels, fmt.key, "k_levels", fmt, cache.device)
+    vl = _levels(v_levels, fmt.value, "v_levels", fmt, cache.device)
     if slot_mapping.device.type == "cpu":
         for side, c in (("key", fmt.key), ("value", fmt.value)):
             if c.granularity == "channel":
                 _check_channel_groups(slot_mapping, c, side)
     _ops().write_cache(key, value, cache, slot_mapping, fmt.key.as_ints(),
-                       fmt.value.as_ints(), ks, vs)
+                       fmt.value.as_ints(), ks, vs, kl, vl)
 
 
 def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
@@ -174,7 +202,8 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
                     staging_v: torch.Tensor | None = None,
                     staging_start_loc: torch.Tensor | None = None,
                     staging_pos0: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, k_levels=None,
+                    v_levels=None) -> torch.Tensor:
     """Causal attention of a mixed batch over the quantized paged cache (see reference.py).
 
     query [T, Hq, D]; block_table int32 [S, max_blocks]; seq_lens int32 [S] (incl. this
@@ -182,6 +211,7 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
     out are written. With fmt.residual_chunk R > 1, a query at position p reads positions
     >= floor((p+1)/R)*R from staging_k/v [Ns, H, D] rows staging_start_loc[s] +
     (pos - staging_pos0[s]); with R == 1 staging is not used (may be None).
+    k_levels/v_levels: codebooks of nuq codecs (as write_cache).
     """
     _check_float("query", query)
     if query.dim() != 3:
@@ -239,6 +269,8 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
         staging_pos0 = staging_pos0.to(torch.int32)
     ks = _static_scales(k_scale, fmt.key, H, "k_scale", cache.device)
     vs = _static_scales(v_scale, fmt.value, H, "v_scale", cache.device)
+    kl = _levels(k_levels, fmt.key, "k_levels", fmt, cache.device)
+    vl = _levels(v_levels, fmt.value, "v_levels", fmt, cache.device)
     if out is None:
         out = torch.zeros_like(query)
     else:
@@ -249,5 +281,6 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
             _fail("out last dim must be contiguous")
     _ops().paged_attention(out, query, cache, block_table, seq_lens, query_start_loc,
                            staging_k, staging_v, staging_start_loc, staging_pos0, R,
-                           softmax_scale, fmt.key.as_ints(), fmt.value.as_ints(), ks, vs)
+                           softmax_scale, fmt.key.as_ints(), fmt.value.as_ints(), ks, vs, kl,
+                           vl)
     return out

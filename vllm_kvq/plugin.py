@@ -64,6 +64,10 @@ def validate_vllm_config(vllm_config) -> None:
         model = vllm_config.model_config
         if model is not None and cache.block_size:
             cfg.fmt.check(model.get_head_size(), cache.block_size)
+        if model is not None and cfg.fmt.needs_levels:
+            # the calibration file must exist, match the model and hold the codebooks
+            from vllm_kvq.backend import model_levels
+            model_levels(cfg, vllm_config)
     except FormatError as e:
         raise ValueError(f"vllm-kvq: {e}") from None
     if model is not None and cfg.fmt.residual_tokens and cache.kv_cache_memory_bytes:

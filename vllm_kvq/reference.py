@@ -9,6 +9,9 @@ aligned chunks of R = fmt.residual_chunk tokens. A query at position p reads pos
 < F(p+1) = floor((p+1)/R)*R from the quantized pages and positions in [F(p+1), p] in full
 precision from a staging tensor. So prefill, chunked prefill and decode of the same token
 all see exactly the same K/V. With R = 1 every position is read from the pages.
+
+nuq codecs take a codebook `levels` (float32 [2^bits], ascending in [-1, 1]; one per layer
+and side); outlier slots follow kvq::select_outliers (csrc/kvq_numeric.h).
 """
 from __future__ import annotations
 
@@ -38,24 +41,61 @@ def _finite_or(x: torch.Tensor, fill: float) -> torch.Tensor:
 
 
 # --- one group of values sharing a scale ---------------------------------------------------
-def quantize_groups(x: torch.Tensor, codec: Codec, static_scale: float | None = None):
+def check_levels(levels, codec: Codec, what: str = "levels") -> torch.Tensor | None:
+    """The codebook of a nuq codec as float32 [2^bits] (ascending, finite, in [-1, 1]);
+    None for other codecs (which must not get one)."""
+    if codec.encoding != "nuq":
+        if levels is not None and torch.as_tensor(levels).numel():
+            raise ValueError(f"{what}: codec {codec.describe()} takes no codebook")
+        return None
+    if levels is None:
+        raise ValueError(f"{what} is required for the nuq codec {codec.describe()}: "
+                         f"{2 ** codec.bits} float32 levels (from the calibration file)")
+    t = torch.as_tensor(levels).detach().to(torch.float32).cpu().reshape(-1)
+    n = 2 ** codec.bits
+    if t.numel() != n:
+        raise ValueError(f"{what} has {t.numel()} levels; codec {codec.describe()} needs {n}")
+    if not bool(torch.isfinite(t).all()) or bool((t.abs() > 1).any()):
+        raise ValueError(f"{what} must be finite and within [-1, 1], got {t.tolist()}")
+    if bool((t[1:] < t[:-1]).any()):
+        raise ValueError(f"{what} must be sorted ascending, got {t.tolist()}")
+    return t
+
+
+def uniform_levels(bits: int) -> torch.Tensor:
+    """The uniform codebook -1 + 2k/(2^b - 1): nuq with it is int asymmetric (up to the fp16
+    rounding of scale and zero)."""
+    n = 2 ** bits
+    return (torch.arange(n, dtype=torch.float64) * 2 / (n - 1) - 1).to(torch.float32)
+
+
+def nuq_midpoints(levels: torch.Tensor) -> torch.Tensor:
+    """fp32 (level[k] + level[k+1]) * 0.5: a value above mid[k] takes a code > k."""
+    return (levels[:-1] + levels[1:]) * 0.5
+
+
+def quantize_groups(x: torch.Tensor, codec: Codec, static_scale: float | None = None,
+                    levels: torch.Tensor | None = None, stats: torch.Tensor | None = None):
     """Quantize along the last dim (each row of x is one scale group).
 
+    stats: the values the group's scale is computed from (x with its outliers set to NaN,
+    so they are left out); defaults to x.
     Returns (codes int32 [..., n], scale f32 [...], zero f32 [...]); for fp8 the codes are
     the fp8 bit patterns, for float formats the 16-bit patterns.
     """
     x = x.to(torch.float32)
+    st = x if stats is None else stats.to(torch.float32)
     if codec.is_float:
         dt = FLOAT_DTYPES[codec.encoding]
         codes = x.to(dt).view(torch.int16).to(torch.int32) & 0xFFFF
         return codes, torch.zeros(x.shape[:-1]), torch.zeros(x.shape[:-1])
-    finite = torch.isfinite(x)
+    finite = torch.isfinite(st)
     if codec.encoding.startswith("fp8"):
         m = FP8_MAX[codec.encoding]
         if static_scale is not None:
             scale = torch.full(x.shape[:-1], float(static_scale))
         else:
-            amax = _finite_or(x.abs(), 0.0).amax(-1)
+            amax = _finite_or(st.abs(), 0.0).amax(-1)
             scale = _fp16_round(amax / m)
         xs = _sanitize(x)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
@@ -63,7 +103,7 @@ def quantize_groups(x: torch.Tensor, codec: Codec, static_scale: float | None = 
         y = torch.where(scale.unsqueeze(-1) > 0, y, torch.zeros_like(y))
         codes = y.to(FP8_DTYPES[codec.encoding]).view(torch.uint8).to(torch.int32)
         return codes, scale, torch.zeros_like(scale)
-    assert codec.encoding == "int", codec
+    assert codec.encoding in ("int", "nuq"), codec
     b = codec.bits
     xs = _sanitize(x)
     if codec.symmetric:
@@ -71,48 +111,122 @@ def quantize_groups(x: torch.Tensor, codec: Codec, static_scale: float | None = 
         if static_scale is not None:
             scale = torch.full(x.shape[:-1], float(static_scale))
         else:
-            scale = _fp16_round(_finite_or(x.abs(), 0.0).amax(-1) / half)
+            scale = _fp16_round(_finite_or(st.abs(), 0.0).amax(-1) / half)
         safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
         q = torch.round(xs / safe).clamp(-half, half)
         q = torch.where(scale.unsqueeze(-1) > 0, q, torch.zeros_like(q))
         return (q + 2 ** (b - 1)).to(torch.int32), scale, torch.zeros_like(scale)
-    levels = 2 ** b - 1
     any_finite = finite.any(-1)
-    lo = torch.where(any_finite, _finite_or(x, math.inf).amin(-1), torch.zeros(x.shape[:-1]))
-    hi = torch.where(any_finite, _finite_or(x, -math.inf).amax(-1), torch.zeros(x.shape[:-1]))
-    scale = _fp16_round((hi - lo) / levels)
+    lo = torch.where(any_finite, _finite_or(st, math.inf).amin(-1), torch.zeros(x.shape[:-1]))
+    hi = torch.where(any_finite, _finite_or(st, -math.inf).amax(-1), torch.zeros(x.shape[:-1]))
+    if codec.encoding == "nuq":
+        lv = check_levels(levels, codec)
+        scale = _fp16_round((hi - lo) / 2)
+        zero = _fp16_round((hi + lo) / 2)
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
+        y = (xs - zero.unsqueeze(-1)) / safe
+        q = (y.unsqueeze(-1) > nuq_midpoints(lv)).sum(-1)
+        q = torch.where(scale.unsqueeze(-1) > 0, q, torch.zeros_like(q))
+        return q.to(torch.int32), scale, zero
+    nlev = 2 ** b - 1
+    scale = _fp16_round((hi - lo) / nlev)
     zero = _fp16_round(lo)
     safe = torch.where(scale > 0, scale, torch.ones_like(scale)).unsqueeze(-1)
-    q = torch.round((xs - zero.unsqueeze(-1)) / safe).clamp(0, levels)
+    q = torch.round((xs - zero.unsqueeze(-1)) / safe).clamp(0, nlev)
     q = torch.where(scale.unsqueeze(-1) > 0, q, torch.zeros_like(q))
     return q.to(torch.int32), scale, zero
 
 
 def dequantize_groups(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
-                      codec: Codec) -> torch.Tensor:
+                      codec: Codec, levels: torch.Tensor | None = None) -> torch.Tensor:
     if codec.is_float:
         dt = FLOAT_DTYPES[codec.encoding]
         return codes.to(torch.int16).view(dt).to(torch.float32)
     if codec.encoding.startswith("fp8"):
         v = codes.to(torch.uint8).view(FP8_DTYPES[codec.encoding]).to(torch.float32)
         return v * scale.unsqueeze(-1)
+    if codec.encoding == "nuq":
+        lv = check_levels(levels, codec)
+        return lv[codes.long()] * scale.unsqueeze(-1) + zero.unsqueeze(-1)
     if codec.symmetric:
         return (codes.to(torch.float32) - 2 ** (codec.bits - 1)) * scale.unsqueeze(-1)
     return codes.to(torch.float32) * scale.unsqueeze(-1) + zero.unsqueeze(-1)
 
 
-def fake_quantize(x: torch.Tensor, codec: Codec, static_scale: float | None = None):
-    """Round trip of rows of x [T, D] through the codec (per-channel: T a multiple of G)."""
+# --- sparse outliers (kvq::select_outliers) ------------------------------------------------
+def select_outliers(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Channels [T, n] (int64, -1 = empty slot) of the n finite values of largest |x| of
+    each row of x [T, D]; equal |x|: the lower channel first; in that order."""
+    x = x.to(torch.float32)
+    key = torch.where(torch.isfinite(x), x.abs(), torch.full_like(x, -1.0))
+    vals, idx = torch.sort(key, dim=-1, descending=True, stable=True)
+    vals, idx = vals[:, :n], idx[:, :n]
+    return torch.where(vals >= 0, idx, torch.full_like(idx, -1))
+
+
+def outlier_stats(x: torch.Tensor, chans: torch.Tensor) -> torch.Tensor:
+    """x [T, D] with its outliers set to NaN: what the dense scales are computed from."""
+    st = x.to(torch.float32).clone()
+    rows, cols = (chans >= 0).nonzero(as_tuple=True)
+    st[rows, chans[rows, cols]] = float("nan")
+    return st
+
+
+def outlier_values(x: torch.Tensor, chans: torch.Tensor) -> torch.Tensor:
+    """The stored (fp16, saturated) values of the slots; 0 for empty slots."""
+    v = x.to(torch.float32).gather(1, chans.clamp(min=0))
+    return _fp16_round(torch.where(chans >= 0, v, torch.zeros_like(v)))
+
+
+def apply_outliers(dense: torch.Tensor, chans: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """dense [T, D] with the stored outlier values in their channels (slots whose channel
+    is empty or not below D are ignored)."""
+    out = dense.clone()
+    D = dense.shape[-1]
+    ok = (chans >= 0) & (chans < D)
+    rows, cols = ok.nonzero(as_tuple=True)
+    out[rows, chans[rows, cols]] = values[rows, cols].to(torch.float32)
+    return out
+
+
+def outlier_overflow(x: torch.Tensor, n: int, threshold: float) -> int:
+    """How many finite values of rows x [T, D] have |x| > threshold but did not fit in the
+    n slots of their token (they fall back to the dense path)."""
+    x = x.to(torch.float32)
+    big = torch.isfinite(x) & (x.abs() > threshold)
+    if n:
+        chans = select_outliers(x, n)
+        rows, cols = (chans >= 0).nonzero(as_tuple=True)
+        big[rows, chans[rows, cols]] = False
+    return int(big.sum())
+
+
+def fake_quantize(x: torch.Tensor, codec: Codec, static_scale: float | None = None,
+                  levels: torch.Tensor | None = None):
+    """Round trip of rows of x [T, D] through the codec (per-channel: T a multiple of G),
+    outlier slots included."""
     T, D = x.shape
+    x = x.to(torch.float32)
+    st, chans = x, None
+    if codec.outliers:
+        chans = select_outliers(x, codec.outliers)
+        st = outlier_stats(x, chans)
     if codec.granularity == "group":
-        g = x.reshape(T, D // codec.group, codec.group)
-        return dequantize_groups(*quantize_groups(g, codec), codec).reshape(T, D)
-    if codec.granularity == "channel":
+        g, sg = (t.reshape(T, D // codec.group, codec.group) for t in (x, st))
+        out = dequantize_groups(*quantize_groups(g, codec, None, levels, sg), codec,
+                                levels).reshape(T, D)
+    elif codec.granularity == "channel":
         G = codec.group
-        g = x.reshape(T // G, G, D).transpose(1, 2)  # [T/G, D, G]: a channel over G tokens
-        out = dequantize_groups(*quantize_groups(g, codec), codec)
-        return out.transpose(1, 2).reshape(T, D)
-    return dequantize_groups(*quantize_groups(x, codec, static_scale), codec)
+        # [T/G, D, G]: a channel over G tokens
+        g, sg = (t.reshape(T // G, G, D).transpose(1, 2) for t in (x, st))
+        out = dequantize_groups(*quantize_groups(g, codec, None, levels, sg), codec, levels)
+        out = out.transpose(1, 2).reshape(T, D)
+    else:
+        out = dequantize_groups(*quantize_groups(x, codec, static_scale, levels, st), codec,
+                                levels)
+    if chans is not None:
+        out = apply_outliers(out, chans, outlier_values(x, chans))
+    return out
 
 
 # --- bit packing (kvq::put_code / get_code) -------------------------------------------------
@@ -156,7 +270,8 @@ def _fp16_field(plane, off, n) -> torch.Tensor:
 
 
 def encode_rows_into_plane(plane: torch.Tensor, region: dict, codec: Codec, D: int,
-                           t0: int, x: torch.Tensor, static_scale: float) -> None:
+                           t0: int, x: torch.Tensor, static_scale: float,
+                           levels: torch.Tensor | None = None) -> None:
     """Write tokens t0..t0+T-1 of x [T, D] into one tensor region of a plane (uint8 [P]).
 
     Per-channel codecs need whole aligned groups: t0 % G == 0 and T % G == 0.
@@ -164,23 +279,35 @@ def encode_rows_into_plane(plane: torch.Tensor, region: dict, codec: Codec, D: i
     T = x.shape[0]
     rb = region["row_bytes"]
     cols = region["scale_cols"]
+    x = x.to(torch.float32)
+    st = x
+    if codec.outliers:
+        n = codec.outliers
+        chans = select_outliers(x, n)
+        st = outlier_stats(x, chans)
+        slots = torch.empty(T, n, 2, dtype=torch.int16)
+        slots[..., 0] = torch.where(chans >= 0, chans, torch.full_like(chans, 0xFFFF)).to(
+            torch.int32).to(torch.int16)
+        slots[..., 1] = outlier_values(x, chans).to(torch.float16).view(torch.int16)
+        o_off = region["outlier_off"] + t0 * n * 4
+        plane[o_off:o_off + T * n * 4] = slots.view(torch.uint8).reshape(-1)
     if codec.granularity == "channel":
         G = codec.group
         if t0 % G or T % G:
             raise ValueError(f"per-channel groups need whole aligned groups of {G} tokens, "
                              f"got tokens {t0}..{t0 + T - 1}")
-        g = x.to(torch.float32).reshape(T // G, G, D).transpose(1, 2)
-        codes, scale, zero = quantize_groups(g, codec)
+        g, sg = (t.reshape(T // G, G, D).transpose(1, 2) for t in (x, st))
+        codes, scale, zero = quantize_groups(g, codec, None, levels, sg)
         codes = codes.transpose(1, 2).reshape(T, D)
         srow0, scales, zeros = t0 // G, scale.reshape(-1), zero.reshape(-1)
     elif codec.granularity == "group":
-        g = x.to(torch.float32).reshape(T, D // codec.group, codec.group)
-        codes, scale, zero = quantize_groups(g, codec)
+        g, sg = (t.reshape(T, D // codec.group, codec.group) for t in (x, st))
+        codes, scale, zero = quantize_groups(g, codec, None, levels, sg)
         codes = codes.reshape(T, D)
         srow0, scales, zeros = t0, scale.reshape(-1), zero.reshape(-1)
     else:
-        st = static_scale if codec.static_scale else None
-        codes, scale, zero = quantize_groups(x, codec, st)
+        ss = static_scale if codec.static_scale else None
+        codes, scale, zero = quantize_groups(x, codec, ss, levels, st)
         srow0, scales, zeros = t0, scale.reshape(-1), zero.reshape(-1)
     plane[region["data_off"] + t0 * rb: region["data_off"] + (t0 + T) * rb] = \
         pack_rows(codes, codec.bits).reshape(-1)
@@ -193,9 +320,26 @@ def encode_rows_into_plane(plane: torch.Tensor, region: dict, codec: Codec, D: i
             plane[z_off:z_off + 2 * n] = zeros.to(torch.float16).view(torch.uint8)
 
 
+def read_outliers(plane: torch.Tensor, region: dict, codec: Codec, B: int):
+    """The outlier slots of all B tokens: channels [B, n] int64 (-1 = empty), values
+    [B, n] float32."""
+    n = codec.outliers
+    raw = _field(plane, region["outlier_off"], B * n * 4).view(torch.int16).reshape(B, n, 2)
+    chans = raw[..., 0].to(torch.int64) & 0xFFFF
+    chans = torch.where(chans == 0xFFFF, torch.full_like(chans, -1), chans)
+    return chans, raw[..., 1].view(torch.float16).to(torch.float32)
+
+
 def decode_plane_region(plane: torch.Tensor, region: dict, codec: Codec, D: int, B: int,
-                        static_scale: float) -> torch.Tensor:
+                        static_scale: float, levels: torch.Tensor | None = None) -> torch.Tensor:
     """All B tokens of one tensor region of a plane -> float32 [B, D]."""
+    out = _decode_dense(plane, region, codec, D, B, static_scale, levels)
+    if codec.outliers:
+        out = apply_outliers(out, *read_outliers(plane, region, codec, B))
+    return out
+
+
+def _decode_dense(plane, region, codec, D, B, static_scale, levels):
     rows = _field(plane, region["data_off"], region["data_bytes"]).reshape(B, region["row_bytes"])
     codes = unpack_rows(rows, codec.bits, D)
     if codec.is_float:
@@ -204,19 +348,19 @@ def decode_plane_region(plane: torch.Tensor, region: dict, codec: Codec, D: int,
     if codec.static_scale:
         scale = torch.full((B,), float(static_scale))
         zero = torch.zeros(B)
-        return dequantize_groups(codes, scale, zero, codec)
+        return dequantize_groups(codes, scale, zero, codec, levels)
     scale = _fp16_field(plane, region["scale_off"], n).reshape(region["scale_rows"], -1)
     zero = (_fp16_field(plane, region["zero_off"], n).reshape(region["scale_rows"], -1)
             if region["zero_bytes"] else torch.zeros_like(scale))
     if codec.granularity == "token":
-        return dequantize_groups(codes, scale[:, 0], zero[:, 0], codec)
+        return dequantize_groups(codes, scale[:, 0], zero[:, 0], codec, levels)
     if codec.granularity == "group":
         g = codec.group
         c = codes.reshape(B, D // g, g)
-        return dequantize_groups(c, scale, zero, codec).reshape(B, D)
+        return dequantize_groups(c, scale, zero, codec, levels).reshape(B, D)
     G = codec.group  # channel: scale [B/G, D]
     c = codes.reshape(B // G, G, D).transpose(1, 2)
-    return dequantize_groups(c, scale, zero, codec).transpose(1, 2).reshape(B, D)
+    return dequantize_groups(c, scale, zero, codec, levels).transpose(1, 2).reshape(B, D)
 
 
 # --- paged cache ---------------------------------------------------------------------------
@@ -240,8 +384,9 @@ def _scales(s, H) -> list[float]:
 
 def write_cache(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                 slot_mapping: torch.Tensor, fmt: KVFormat, layout: Layout,
-                k_scale=None, v_scale=None) -> None:
+                k_scale=None, v_scale=None, k_levels=None, v_levels=None) -> None:
     """Quantize tokens [N, H, D] into their slots (slot -1 = padding, skipped).
+    k_levels/v_levels: the codebooks of nuq codecs (float32 [2^bits]).
 
     Per-channel codecs quantize consecutive entries that fill an aligned group of G slots;
     any entry of such a codec outside a whole group is an error.
@@ -251,7 +396,10 @@ def write_cache(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
     planes = _planes(cache)
     slots = slot_mapping.tolist()
     ks, vs = _scales(k_scale, H), _scales(v_scale, H)
-    for x, codec, region, st in ((key, fmt.key, layout.k, ks), (value, fmt.value, layout.v, vs)):
+    kl = check_levels(k_levels, fmt.key, "k_levels")
+    vl = check_levels(v_levels, fmt.value, "v_levels")
+    for x, codec, region, st, lv in ((key, fmt.key, layout.k, ks, kl),
+                                     (value, fmt.value, layout.v, vs, vl)):
         step = codec.group if codec.granularity == "channel" else 1
         i = 0
         while i < N:
@@ -266,17 +414,20 @@ def write_cache(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
             blk, off = divmod(s, B)
             for h in range(H):
                 encode_rows_into_plane(planes[blk, h], region, codec, D, off,
-                                       x[i:i + step, h], st[h])
+                                       x[i:i + step, h], st[h], lv)
             i += step
 
 
 def read_block(cache: torch.Tensor, block: int, head: int, fmt: KVFormat, layout: Layout,
-               k_scale=None, v_scale=None) -> tuple[torch.Tensor, torch.Tensor]:
+               k_scale=None, v_scale=None, k_levels=None,
+               v_levels=None) -> tuple[torch.Tensor, torch.Tensor]:
     H = cache.shape[1]
     plane = _planes(cache)[block, head]
     D, B = layout.head_dim, layout.block_size
-    k = decode_plane_region(plane, layout.k, fmt.key, D, B, _scales(k_scale, H)[head])
-    v = decode_plane_region(plane, layout.v, fmt.value, D, B, _scales(v_scale, H)[head])
+    k = decode_plane_region(plane, layout.k, fmt.key, D, B, _scales(k_scale, H)[head],
+                            check_levels(k_levels, fmt.key, "k_levels"))
+    v = decode_plane_region(plane, layout.v, fmt.value, D, B, _scales(v_scale, H)[head],
+                            check_levels(v_levels, fmt.value, "v_levels"))
     return k, v
 
 
@@ -286,7 +437,8 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
                     staging_k: torch.Tensor | None = None,
                     staging_v: torch.Tensor | None = None,
                     staging_start_loc: torch.Tensor | None = None,
-                    staging_pos0: torch.Tensor | None = None) -> torch.Tensor:
+                    staging_pos0: torch.Tensor | None = None,
+                    k_levels=None, v_levels=None) -> torch.Tensor:
     """Causal attention of a mixed batch (prefills, chunks, decodes) over a paged cache.
 
     query [T, Hq, D]; block_table [S, max_blocks]; seq_lens [S] (including this step's
@@ -309,7 +461,8 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
         V = torch.zeros(H, nblk * B, D)
         for j in range(nblk):
             for h in range(H):
-                k, v = read_block(cache, int(block_table[s, j]), h, fmt, layout, k_scale, v_scale)
+                k, v = read_block(cache, int(block_table[s, j]), h, fmt, layout, k_scale, v_scale,
+                                  k_levels, v_levels)
                 K[h, j * B:(j + 1) * B], V[h, j * B:(j + 1) * B] = k, v
         first = L - (q1 - q0)
         for i in range(q1 - q0):

@@ -15,7 +15,9 @@
 
 namespace kvq_cpu {
 
-void check_codec(const kvq::Codec& c, int D, int B, const char* what);  // cache_write.cpp
+// cache_write.cpp
+void check_codec(const kvq::Codec& c, int D, int B, const char* what);
+std::vector<float> codebook(const kvq::Codec& c, const at::Tensor& levels, const char* what);
 
 namespace {
 
@@ -114,7 +116,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const at::Tensor& staging_pos0, int64_t residual_chunk,
                      double softmax_scale, const std::vector<int64_t>& k_codec,
                      const std::vector<int64_t>& v_codec, const at::Tensor& k_scale,
-                     const at::Tensor& v_scale) {
+                     const at::Tensor& v_scale, const at::Tensor& k_levels,
+                     const at::Tensor& v_levels) {
   const kvq::Codec kc = to_codec(k_codec, "k_codec"), vc = to_codec(v_codec, "v_codec");
   TORCH_CHECK(query.dim() == 3, "query must be [T, Hq, D]");
   TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
@@ -131,6 +134,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   TORCH_CHECK(B % 16 == 0 && B > 0, "block_size ", B, " must be a multiple of 16");
   check_codec(kc, D, B, "k_codec");
   check_codec(vc, D, B, "v_codec");
+  const std::vector<float> klev = codebook(kc, k_levels, "k_levels");
+  const std::vector<float> vlev = codebook(vc, v_levels, "v_levels");
   const kvq::Layout lay = kvq::make_layout(kc, vc, D, B);
   TORCH_CHECK(C == lay.token_bytes, "cache last dim is ", C, " bytes but this format needs ",
               lay.token_bytes, " (head_dim ", D, ", block_size ", B, ")");
@@ -294,6 +299,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   P.scale_log2 = (float)(softmax_scale * 1.4426950408889634);
   P.kc = kc; P.vc = vc; P.lay = lay;
   P.k_scale = ks.data(); P.v_scale = vs.data();
+  P.k_levels = klev.empty() ? nullptr : klev.data();
+  P.v_levels = vlev.empty() ? nullptr : vlev.data();
   P.partials = partials.data();
 
   const TaskFn fn = task_fn(current_path());

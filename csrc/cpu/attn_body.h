@@ -23,6 +23,11 @@
 // staging boundary): masked entries never touch V, so a NaN in a token a query must not
 // see cannot reach it. Headers are included by the translation unit before its target
 // pragma.
+//
+// nuq codecs and codecs with outlier slots are decoded to fp32 rows when a tile is
+// prepared (predecode_segment: level[code] * scale + zero through the layer's codebook, or
+// code * scale + zero, then each outlier slot overwrites its channel) and consumed as the
+// K_F32 kind by both paths.
 
 constexpr int TT = kTileTokens;
 constexpr int SL = kTileTokens;  // row stride of the logits tile
@@ -46,12 +51,13 @@ static inline void cvt_f16(const uint8_t* src, int n, float mul, float* dst) {
 }
 
 // ---- a tile's K or V source: code rows + scales, decoded chunk by chunk ---------------------
-enum Kind { K_F16 = 0, K_BF16, K_E4M3, K_E5M2, K_U8, K_U4, K_U2 };
+enum Kind { K_F16 = 0, K_BF16, K_E4M3, K_E5M2, K_U8, K_U4, K_U2, K_F32 };
 template <int KIND, bool VEC, bool PERM>
 struct KT {};
 
 struct TileSrc {
-  const uint8_t* row[TT];  // codes of token t (int3: unpacked to one byte per code)
+  const uint8_t* row[TT];  // codes of token t (int3: unpacked to one byte per code; K_F32:
+                           // the token's D decoded floats)
   const float* sv[TT];     // VEC: D scales; else the token's scales, chunk c uses [c >> gshift]
   const float* zv[TT];
   int gshift;
@@ -67,6 +73,7 @@ static void unpack3(const uint8_t* row, int D, uint8_t* out) {
 
 template <int KIND>
 static inline VF decode_codes(const uint8_t* row, int c) {
+  if (KIND == K_F32) return vload((const float*)row + c * W);
   if (KIND == K_F16) return ld_f16((const uint16_t*)row + c * W);
   if (KIND == K_BF16) return ld_bf16((const uint16_t*)row + c * W);
   if (KIND == K_E4M3) return ld_e4m3(row + c * W);
@@ -80,7 +87,7 @@ static inline VF decode_codes(const uint8_t* row, int c) {
 template <int KIND, bool VEC>
 static inline VF decode(const TileSrc& ts, int t, int c) {
   const VF x = decode_codes<KIND>(ts.row[t], c);
-  if (KIND == K_F16 || KIND == K_BF16) return x;
+  if (KIND == K_F16 || KIND == K_BF16 || KIND == K_F32) return x;
   if (VEC) return vfma(x, vload(ts.sv[t] + c * W), vload(ts.zv[t] + c * W));
   const int gi = c >> ts.gshift;
   if (KIND == K_E4M3 || KIND == K_E5M2) return vmul(x, vset(ts.sv[t][gi]));
@@ -96,7 +103,86 @@ struct TileBufs {
   float* cz;
   float st[2]; // static scale and its zero
   uint8_t* u8; // TT * D unpacked int3 codes
+  float* f32;  // TT * D decoded values (nuq / outlier codecs)
 };
+
+// Whether a codec is decoded to fp32 rows when its tile is prepared (K_F32).
+static inline bool predecoded(const kvq::Codec& c) {
+  return c.encoding == kvq::ENC_NUQ || c.outliers > 0;
+}
+
+// Rows [off, off+cnt) of a nuq or outlier codec's region -> fp32 rows of tb.f32 as tokens
+// at.. of the tile: dense values as the reference computes them (value = table[code] *
+// scale + zero, one rounding each: table = the codebook for nuq, code or code - 2^(b-1)
+// for int), then every outlier slot whose channel is below D replaces that channel.
+static void predecode_segment(const kvq::Codec& c, const kvq::Region& r, const uint8_t* plane,
+                              int off, int cnt, int at, int D, float st, const float* levels,
+                              TileBufs& tb, TileSrc& ts) {
+  const int n = 1 << c.bits;
+  float tab[256];
+  const bool nuq = c.encoding == kvq::ENC_NUQ;
+  const bool sym = !nuq && c.symmetric;
+  for (int k = 0; k < n; ++k)
+    tab[k] = nuq ? levels[k] : (float)(sym ? k - (n >> 1) : k);
+  const uint8_t* data = plane + r.data_off;
+  const bool zeros = r.zero_bytes > 0;
+  int srow_loaded = -1;  // channel granularity: the scale row in tb.cs / tb.cz
+  for (int i = 0; i < cnt; ++i) {
+    const int tok = off + i;
+    const uint8_t* row = data + (int64_t)tok * r.row_bytes;
+    float* dst = tb.f32 + (int64_t)(at + i) * D;
+    auto dense = [&](int d0, int d1, float s, float z) {
+      if (c.bits == 4) {
+        for (int d = d0; d < d1; ++d) dst[d] = tab[(row[d >> 1] >> ((d & 1) * 4)) & 15] * s + z;
+      } else if (c.bits == 2) {
+        for (int d = d0; d < d1; ++d) dst[d] = tab[(row[d >> 2] >> ((d & 3) * 2)) & 3] * s + z;
+      } else if (c.bits == 8) {
+        for (int d = d0; d < d1; ++d) dst[d] = tab[row[d]] * s + z;
+      } else {
+        for (int d = d0; d < d1; ++d) dst[d] = tab[kvq::get_code(row, d, c.bits)] * s + z;
+      }
+    };
+    switch (c.granularity) {
+      case kvq::GRAN_TOKEN:
+        dense(0, D, h2f(plane + r.scale_off, tok), zeros ? h2f(plane + r.zero_off, tok) : 0.0f);
+        break;
+      case kvq::GRAN_GROUP: {
+        const int g = c.group, ng = D / g;
+        for (int j = 0; j < ng; ++j) {
+          const int64_t si = (int64_t)tok * ng + j;
+          dense(j * g, (j + 1) * g, h2f(plane + r.scale_off, si),
+                zeros ? h2f(plane + r.zero_off, si) : 0.0f);
+        }
+        break;
+      }
+      case kvq::GRAN_CHANNEL: {
+        const int srow = tok / c.group;
+        if (srow != srow_loaded) {
+          cvt_f16(plane + r.scale_off + 2 * (int64_t)srow * D, D, 1.0f, tb.cs);
+          if (zeros) cvt_f16(plane + r.zero_off + 2 * (int64_t)srow * D, D, 1.0f, tb.cz);
+          else for (int d = 0; d < D; ++d) tb.cz[d] = 0.0f;
+          srow_loaded = srow;
+        }
+        for (int d = 0; d < D; ++d) {
+          const uint32_t code = c.bits == 8 ? row[d] : kvq::get_code(row, d, c.bits);
+          dst[d] = tab[code] * tb.cs[d] + tb.cz[d];
+        }
+        break;
+      }
+      default:  // tensor / head: static symmetric scale
+        dense(0, D, st, 0.0f);
+        break;
+    }
+    const uint8_t* o = plane + r.outlier_off + (int64_t)tok * c.outliers * 4;
+    for (int j = 0; j < c.outliers; ++j) {
+      uint16_t ch, v;
+      memcpy(&ch, o + 4 * j, 2);
+      memcpy(&v, o + 4 * j + 2, 2);
+      if (ch < D) dst[ch] = kvq::fp16_to_float(v);
+    }
+    ts.row[at + i] = (const uint8_t*)dst;
+  }
+}
 
 // Add rows [off, off+cnt) of one region of `plane` as tokens at.. of the tile.
 static inline int perm_chan(int kind, int p);
@@ -109,7 +195,11 @@ static void permute_row(float* x, int D, int kind) {
 // perm_kind: K_U4/K_U2 when the fused path decodes this side permuted, else -1.
 static void prep_segment(const kvq::Codec& c, const kvq::Region& r, const uint8_t* plane,
                          int off, int cnt, int at, int D, float st, TileBufs& tb, int& nch_rows,
-                         TileSrc& ts, int perm_kind) {
+                         TileSrc& ts, int perm_kind, const float* levels) {
+  if (predecoded(c)) {
+    predecode_segment(c, r, plane, off, cnt, at, D, st, levels, tb, ts);
+    return;
+  }
   const uint8_t* data = plane + r.data_off;
   const bool e4 = c.encoding == kvq::ENC_FP8_E4M3;
   const bool is_int = c.encoding == kvq::ENC_INT;
@@ -183,6 +273,7 @@ static void prep_segment(const kvq::Codec& c, const kvq::Region& r, const uint8_
 template <class F>
 static inline void with_kind(const kvq::Codec& c, bool perm, F&& f) {
   const bool vec = c.granularity == kvq::GRAN_CHANNEL;
+  if (predecoded(c)) { f(KT<K_F32, false, false>{}); return; }
   switch (c.encoding) {
     case kvq::ENC_FP16: f(KT<K_F16, false, false>{}); return;
     case kvq::ENC_BF16: f(KT<K_BF16, false, false>{}); return;
@@ -216,7 +307,7 @@ static inline int perm_chan(int kind, int p) {
 }
 // Whether a codec can use the permuted decode with this head size.
 static inline bool can_perm(const kvq::Codec& c, int D) {
-  if (c.encoding != kvq::ENC_INT || (c.bits != 4 && c.bits != 2)) return false;
+  if (c.encoding != kvq::ENC_INT || (c.bits != 4 && c.bits != 2) || c.outliers) return false;
   if (D % (2 * W)) return false;
   return c.granularity != kvq::GRAN_GROUP || c.group % (2 * W) == 0;
 }
@@ -543,6 +634,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   int* Fq = hi + Mp;
   int* pq = Fq + Mp;
   tb.u8 = (uint8_t*)(pq + Mp);  // TT * D bytes
+  tb.f32 = (float*)(tb.u8 + (size_t)TT * D);  // TT * D floats
 
   for (int i = 0; i < T.nq; ++i) {
     const int p = T.pos0 + i;
@@ -594,7 +686,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
       const int cnt = imin(imin(TT - nt, B - off), T.kend - j);
       const uint8_t* plane = hbase + (int64_t)btrow[blk] * P.c_sb;
       segs[ns++] = Seg{plane, off, cnt, nt};
-      prep_segment(P.kc, P.lay.k, plane, off, cnt, nt, D, kst, tb, nkc, ks, kpk);
+      prep_segment(P.kc, P.lay.k, plane, off, cnt, nt, D, kst, tb, nkc, ks, kpk, P.k_levels);
       nt += cnt;
       j += cnt;
     }
@@ -626,7 +718,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
     int nvc = 0;
     for (int k = 0; k < ns; ++k)
       prep_segment(P.vc, P.lay.v, segs[k].plane, segs[k].off, segs[k].cnt, segs[k].at, D, vst,
-                   tb, nvc, vs, vpk);
+                   tb, nvc, vs, vpk, P.v_levels);
     if (fused) {
       if (vfp8 && vtok)
         for (int m = 0; m < M; ++m)

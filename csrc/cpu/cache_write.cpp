@@ -121,9 +121,16 @@ inline GroupStats stats(const float* x, int n, int xs) {
   return g;
 }
 
-// Dynamic parameters of a group (INT asym/sym, fp8) from its values.
+// What a side's quantizer needs besides its codec: the nuq codebook's midpoints.
+struct SideQ {
+  Codec c;
+  float mids[kvq::kMaxNuqLevels];  // nuq: (level[k] + level[k+1]) * 0.5, 2^bits - 1 of them
+};
+
+// Dynamic parameters of a group (INT asym/sym, nuq, fp8) from its values.
 inline kvq::QParams dyn_params(const Codec& c, const float* x, int n, int xs) {
   const GroupStats g = stats(x, n, xs);
+  if (c.encoding == kvq::ENC_NUQ) return kvq::nuq_params(g.lo, g.hi);
   if (c.encoding == kvq::ENC_INT) {
     if (c.symmetric) return kvq::absmax_params(g.amax, (float)kvq::int_half(c.bits));
     return kvq::int_asym_params(g.lo, g.hi, c.bits);
@@ -131,8 +138,10 @@ inline kvq::QParams dyn_params(const Codec& c, const float* x, int n, int xs) {
   return kvq::absmax_params(g.amax, kvq::fp8_max(c.encoding));  // fp8 dynamic
 }
 
-inline uint32_t encode_value(const Codec& c, float x, const kvq::QParams& p) {
+inline uint32_t encode_value(const SideQ& q, float x, const kvq::QParams& p) {
+  const Codec& c = q.c;
   if (c.encoding == kvq::ENC_INT) return kvq::quantize_int(x, p, c.bits, c.symmetric != 0);
+  if (c.encoding == kvq::ENC_NUQ) return kvq::quantize_nuq(x, p, q.mids, 1 << c.bits);
   return quantize_fp8_fast(x, p.scale, c.encoding);
 }
 
@@ -142,9 +151,36 @@ inline void store_fp16(uint8_t* plane, int32_t off, int idx, float v) {
   memcpy(plane + off + 2 * idx, &h, 2);
 }
 
-// Quantize one token row x[D] (non-channel codecs) into row t of a region.
-void encode_token_row(const Codec& c, const Region& r, uint8_t* plane, int t, const float* x,
-                      int D, float static_scale) {
+// Outlier slots of token t (kvq::select_outliers): writes the slots and returns in sx the
+// values the dense scales are computed from (x with the outliers replaced by NaN, which
+// every statistic skips). The plane may be unaligned: the slots are written bytewise.
+void encode_outliers(const Codec& c, const Region& r, uint8_t* plane, int t, const float* x,
+                     int D, float* sx) {
+  int32_t ch[64];
+  const int n = kvq::select_outliers(x, D, c.outliers, ch);
+  memcpy(sx, x, sizeof(float) * D);
+  uint8_t* o = plane + r.outlier_off + (int64_t)t * c.outliers * (int64_t)sizeof(kvq::Outlier);
+  for (int j = 0; j < c.outliers; ++j) {
+    kvq::Outlier slot{kvq::kNoOutlier, 0};
+    if (j < n) {
+      slot.channel = (uint16_t)ch[j];
+      slot.value_fp16 = kvq::float_to_fp16_sat(x[ch[j]]);
+      sx[ch[j]] = NAN;
+    }
+    memcpy(o + j * sizeof(kvq::Outlier), &slot, sizeof(slot));
+  }
+}
+
+// Quantize one token row x[D] (non-channel codecs) into row t of a region; sxbuf: D floats
+// of scratch (outlier codecs).
+void encode_token_row(const SideQ& q, const Region& r, uint8_t* plane, int t, const float* x,
+                      int D, float static_scale, float* sxbuf) {
+  const Codec& c = q.c;
+  const float* sx = x;  // what the scales are computed from
+  if (c.outliers) {
+    encode_outliers(c, r, plane, t, x, D, sxbuf);
+    sx = sxbuf;
+  }
   uint8_t* row = plane + r.data_off + (int64_t)t * r.row_bytes;
   if (c.encoding == kvq::ENC_FP16 || c.encoding == kvq::ENC_BF16) {
     uint16_t* o = (uint16_t*)row;
@@ -157,9 +193,9 @@ void encode_token_row(const Codec& c, const Region& r, uint8_t* plane, int t, co
   if (c.bits < 8) memset(row, 0, r.row_bytes);  // put_code read-modify-writes
   auto put_all = [&](int d0, int n, const kvq::QParams& p) {
     if (c.bits == 8) {
-      for (int d = d0; d < d0 + n; ++d) row[d] = (uint8_t)encode_value(c, x[d], p);
+      for (int d = d0; d < d0 + n; ++d) row[d] = (uint8_t)encode_value(q, x[d], p);
     } else {
-      for (int d = d0; d < d0 + n; ++d) kvq::put_code(row, d, c.bits, encode_value(c, x[d], p));
+      for (int d = d0; d < d0 + n; ++d) kvq::put_code(row, d, c.bits, encode_value(q, x[d], p));
     }
   };
   switch (c.granularity) {
@@ -170,7 +206,7 @@ void encode_token_row(const Codec& c, const Region& r, uint8_t* plane, int t, co
       break;
     }
     case kvq::GRAN_TOKEN: {
-      const kvq::QParams p = dyn_params(c, x, D, 1);
+      const kvq::QParams p = dyn_params(c, sx, D, 1);
       put_all(0, D, p);
       store_fp16(plane, r.scale_off, t, p.scale);
       if (r.zero_bytes) store_fp16(plane, r.zero_off, t, p.zero);
@@ -179,7 +215,7 @@ void encode_token_row(const Codec& c, const Region& r, uint8_t* plane, int t, co
     case kvq::GRAN_GROUP: {
       const int g = c.group, ng = D / g;
       for (int j = 0; j < ng; ++j) {
-        const kvq::QParams p = dyn_params(c, x + j * g, g, 1);
+        const kvq::QParams p = dyn_params(c, sx + j * g, g, 1);
         put_all(j * g, g, p);
         store_fp16(plane, r.scale_off, t * ng + j, p.scale);
         if (r.zero_bytes) store_fp16(plane, r.zero_off, t * ng + j, p.zero);
@@ -190,20 +226,28 @@ void encode_token_row(const Codec& c, const Region& r, uint8_t* plane, int t, co
   }
 }
 
-// Quantize G whole tokens x[G][D] (per-channel codec) into rows t0..t0+G-1 of a region.
-void encode_channel_group(const Codec& c, const Region& r, uint8_t* plane, int t0,
-                          const float* x, int D) {
+// Quantize G whole tokens x[G][D] (per-channel codec) into rows t0..t0+G-1 of a region;
+// sxbuf: G*D floats of scratch (outlier codecs).
+void encode_channel_group(const SideQ& q, const Region& r, uint8_t* plane, int t0,
+                          const float* x, int D, float* sxbuf) {
+  const Codec& c = q.c;
   const int G = c.group;
+  const float* sx = x;
+  if (c.outliers) {
+    for (int i = 0; i < G; ++i)
+      encode_outliers(c, r, plane, t0 + i, x + (int64_t)i * D, D, sxbuf + (int64_t)i * D);
+    sx = sxbuf;
+  }
   for (int i = 0; i < G; ++i) {
     uint8_t* row = plane + r.data_off + (int64_t)(t0 + i) * r.row_bytes;
     if (c.bits < 8) memset(row, 0, r.row_bytes);
   }
   const int srow = t0 / G;
   for (int d = 0; d < D; ++d) {
-    const kvq::QParams p = dyn_params(c, x + d, G, D);
+    const kvq::QParams p = dyn_params(c, sx + d, G, D);
     for (int i = 0; i < G; ++i) {
       uint8_t* row = plane + r.data_off + (int64_t)(t0 + i) * r.row_bytes;
-      const uint32_t code = encode_value(c, x[(int64_t)i * D + d], p);
+      const uint32_t code = encode_value(q, x[(int64_t)i * D + d], p);
       if (c.bits == 8) row[d] = (uint8_t)code; else kvq::put_code(row, d, c.bits, code);
     }
     store_fp16(plane, r.scale_off, srow * D + d, p.scale);
@@ -270,6 +314,7 @@ static inline void st_add(St8& g, V x) {
 }
 static inline kvq::QParams params_of(const Codec& c, float lo, float hi, float am, bool any) {
   if (!any) { lo = 0.0f; hi = 0.0f; }
+  if (c.encoding == kvq::ENC_NUQ) return kvq::nuq_params(lo, hi);
   if (c.encoding == kvq::ENC_INT) {
     if (c.symmetric) return kvq::absmax_params(am, (float)kvq::int_half(c.bits));
     return kvq::int_asym_params(lo, hi, c.bits);
@@ -291,11 +336,20 @@ static inline kvq::QParams params_reduced(const Codec& c, const St8& g) {
 }
 
 // 8 values -> 8 codes (bytes) with per-lane scale/zero.
-static inline void quant8(const Codec& c, V x, V s, V z, uint8_t* out) {
+static inline void quant8(const SideQ& sq, V x, V s, V z, uint8_t* out) {
+  const Codec& c = sq.c;
   x = sanitize8(x);
   const V pos = _mm256_cmp_ps(s, _mm256_setzero_ps(), _CMP_GT_OQ);
   VI code;
-  if (c.encoding == kvq::ENC_INT) {
+  if (c.encoding == kvq::ENC_NUQ) {  // kvq::quantize_nuq: count the midpoints below
+    const V y = _mm256_div_ps(_mm256_sub_ps(x, z), s);
+    VI n = _mm256_setzero_si256();
+    const int nm = (1 << c.bits) - 1;
+    for (int k = 0; k < nm; ++k)
+      n = _mm256_sub_epi32(n, _mm256_castps_si256(
+                                  _mm256_cmp_ps(y, _mm256_set1_ps(sq.mids[k]), _CMP_GT_OQ)));
+    code = _mm256_and_si256(n, _mm256_castps_si256(pos));
+  } else if (c.encoding == kvq::ENC_INT) {
     V q;
     if (c.symmetric) {
       const float half = (float)kvq::int_half(c.bits);
@@ -349,8 +403,15 @@ static void pack_row(const uint8_t* codes, int D, int bits, uint8_t* row, int ro
   for (int d = 0; d < D; ++d) kvq::put_code(row, d, bits, codes[d]);
 }
 
-static void encode_token_row(const Codec& c, const Region& r, uint8_t* plane, int t,
-                             const float* x, int D, float static_scale, uint8_t* codes) {
+static void encode_token_row(const SideQ& q, const Region& r, uint8_t* plane, int t,
+                             const float* x, int D, float static_scale, uint8_t* codes,
+                             float* sxbuf) {
+  const Codec& c = q.c;
+  const float* sx = x;  // what the scales are computed from
+  if (c.outliers) {
+    encode_outliers(c, r, plane, t, x, D, sxbuf);
+    sx = sxbuf;
+  }
   uint8_t* row = plane + r.data_off + (int64_t)t * r.row_bytes;
   if (c.encoding == kvq::ENC_FP16) {
     for (int d = 0; d < D; d += 8)
@@ -365,11 +426,11 @@ static void encode_token_row(const Codec& c, const Region& r, uint8_t* plane, in
   }
   auto quant_range = [&](int d0, int n, const kvq::QParams& p) {
     const V s = _mm256_set1_ps(p.scale), z = _mm256_set1_ps(p.zero);
-    for (int d = d0; d < d0 + n; d += 8) quant8(c, _mm256_loadu_ps(x + d), s, z, codes + d);
+    for (int d = d0; d < d0 + n; d += 8) quant8(q, _mm256_loadu_ps(x + d), s, z, codes + d);
   };
   auto stats_range = [&](int d0, int n) {
     St8 g = st_init();
-    for (int d = d0; d < d0 + n; d += 8) st_add(g, _mm256_loadu_ps(x + d));
+    for (int d = d0; d < d0 + n; d += 8) st_add(g, _mm256_loadu_ps(sx + d));
     return params_reduced(c, g);
   };
   switch (c.granularity) {
@@ -395,12 +456,19 @@ static void encode_token_row(const Codec& c, const Region& r, uint8_t* plane, in
   pack_row(codes, D, c.bits, row, r.row_bytes);
 }
 
-static void encode_channel_group(const Codec& c, const Region& r, uint8_t* plane, int t0,
-                                 const float* x, int D, uint8_t* codes) {
+static void encode_channel_group(const SideQ& q, const Region& r, uint8_t* plane, int t0,
+                                 const float* x, int D, uint8_t* codes, float* sxbuf) {
+  const Codec& c = q.c;
   const int G = c.group, srow = t0 / G;
+  const float* sx = x;
+  if (c.outliers) {
+    for (int i = 0; i < G; ++i)
+      encode_outliers(c, r, plane, t0 + i, x + (int64_t)i * D, D, sxbuf + (int64_t)i * D);
+    sx = sxbuf;
+  }
   for (int d = 0; d < D; d += 8) {
     St8 g = st_init();
-    for (int i = 0; i < G; ++i) st_add(g, _mm256_loadu_ps(x + (int64_t)i * D + d));
+    for (int i = 0; i < G; ++i) st_add(g, _mm256_loadu_ps(sx + (int64_t)i * D + d));
     alignas(32) float lo[8], hi[8], am[8], an[8], sc[8], ze[8];
     _mm256_store_ps(lo, g.lo); _mm256_store_ps(hi, g.hi);
     _mm256_store_ps(am, g.am); _mm256_store_ps(an, g.any);
@@ -413,7 +481,7 @@ static void encode_channel_group(const Codec& c, const Region& r, uint8_t* plane
     }
     const V s = _mm256_load_ps(sc), z = _mm256_load_ps(ze);
     for (int i = 0; i < G; ++i)
-      quant8(c, _mm256_loadu_ps(x + (int64_t)i * D + d), s, z, codes + (int64_t)i * D + d);
+      quant8(q, _mm256_loadu_ps(x + (int64_t)i * D + d), s, z, codes + (int64_t)i * D + d);
   }
   for (int i = 0; i < G; ++i)
     pack_row(codes + (int64_t)i * D, D, c.bits, plane + r.data_off + (int64_t)(t0 + i) * r.row_bytes,
@@ -440,8 +508,11 @@ int simd_level();  // attention.cpp: 0 scalar, 1 avx2, 2 avx512 (KVQ_SIMD lowers
 
 // Shared with attention.cpp: the codec checks every CPU op does.
 void check_codec(const Codec& c, int D, int B, const char* what) {
-  TORCH_CHECK(c.outliers == 0, what, ": outlier slots (outliers=", c.outliers,
-              ") are not implemented yet; allowed: 0");
+  TORCH_CHECK(c.outliers >= 0 && c.outliers <= 64 && c.outliers <= D, what, ": outliers=",
+              c.outliers, " slots per token is not allowed; allowed: 0..64");
+  TORCH_CHECK(c.outliers == 0 || c.encoding == kvq::ENC_INT || c.encoding == kvq::ENC_NUQ,
+              what, ": outlier slots apply to int and nuq codecs only");
+  TORCH_CHECK(c.outliers == 0 || D <= 512, what, ": outlier slots need head_dim <= 512");
   switch (c.encoding) {
     case kvq::ENC_FP16:
     case kvq::ENC_BF16:
@@ -465,7 +536,12 @@ void check_codec(const Codec& c, int D, int B, const char* what) {
                   ": static (tensor/head) int scales must be symmetric");
       break;
     case kvq::ENC_NUQ:
-      TORCH_CHECK(false, what, ": nuq (codebook) codecs are not implemented yet");
+      TORCH_CHECK(c.bits == 2 || c.bits == 3 || c.bits == 4, what,
+                  ": nuq bits must be 2, 3 or 4, got ", c.bits);
+      TORCH_CHECK(c.granularity >= kvq::GRAN_TOKEN && c.granularity <= kvq::GRAN_CHANNEL &&
+                      !c.symmetric,
+                  what, ": nuq granularity must be token, group or channel (asymmetric)");
+      break;
     default: TORCH_CHECK(false, what, ": unknown encoding ", c.encoding);
   }
   if (c.granularity == kvq::GRAN_GROUP)
@@ -477,10 +553,31 @@ void check_codec(const Codec& c, int D, int B, const char* what) {
                 " must divide block_size ", B);
 }
 
+// Shared with attention.cpp: a nuq codec's codebook (float32 [2^bits], ascending, finite,
+// in [-1, 1]) copied out of its tensor; empty for other codecs.
+std::vector<float> codebook(const Codec& c, const at::Tensor& levels, const char* what) {
+  if (c.encoding != kvq::ENC_NUQ) return {};
+  const int n = 1 << c.bits;
+  TORCH_CHECK(levels.defined() && levels.dim() == 1 && levels.numel() == n &&
+                  levels.scalar_type() == at::kFloat && levels.device().is_cpu(),
+              what, " must be a float32 CPU tensor of 2^bits=", n, " levels for codec nuq",
+              c.bits, ", got ", levels.defined() ? levels.sizes() : at::IntArrayRef{});
+  at::Tensor l = levels.contiguous();
+  std::vector<float> out(l.data_ptr<float>(), l.data_ptr<float>() + n);
+  for (int k = 0; k < n; ++k) {
+    TORCH_CHECK(std::isfinite(out[k]) && out[k] >= -1.0f && out[k] <= 1.0f, what, "[", k,
+                "] = ", out[k], " must be finite and within [-1, 1]");
+    TORCH_CHECK(k == 0 || out[k] >= out[k - 1], what, " must be sorted ascending (level ",
+                k, ")");
+  }
+  return out;
+}
+
 void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& cache,
                  const at::Tensor& slot_mapping, const std::vector<int64_t>& k_codec,
                  const std::vector<int64_t>& v_codec, const at::Tensor& k_scale,
-                 const at::Tensor& v_scale) {
+                 const at::Tensor& v_scale, const at::Tensor& k_levels,
+                 const at::Tensor& v_levels) {
   const Codec kc = to_codec(k_codec, "k_codec"), vc = to_codec(v_codec, "v_codec");
   TORCH_CHECK(key.dim() == 3 && value.dim() == 3, "key/value must be [N, H, D]");
   TORCH_CHECK(key.sizes() == value.sizes(), "key ", key.sizes(), " and value ",
@@ -497,6 +594,13 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& cac
   const int64_t C = cache.size(3);
   check_codec(kc, D, B, "k_codec");
   check_codec(vc, D, B, "v_codec");
+  SideQ kq{kc, {}}, vq{vc, {}};
+  {
+    const std::vector<float> kl = codebook(kc, k_levels, "k_levels");
+    const std::vector<float> vl = codebook(vc, v_levels, "v_levels");
+    if (!kl.empty()) kvq::nuq_midpoints(kl.data(), (int)kl.size(), kq.mids);
+    if (!vl.empty()) kvq::nuq_midpoints(vl.data(), (int)vl.size(), vq.mids);
+  }
   const kvq::Layout lay = kvq::make_layout(kc, vc, D, B);
   TORCH_CHECK(C == lay.token_bytes, "cache last dim is ", C, " bytes but this format needs ",
               lay.token_bytes, " bytes per token (head_dim ", D, ", block_size ", B, ")");
@@ -564,15 +668,16 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& cac
   };
   const std::vector<int64_t> kitems = items_for(kc, "key"), vitems = items_for(vc, "value");
 
-  auto run_side = [&](const Codec& c, const Region& r, const RowSrc& src,
+  auto run_side = [&](const SideQ& q, const Region& r, const RowSrc& src,
                       const std::vector<int64_t>& items, const std::vector<float>& st) {
+    const Codec& c = q.c;
     const int64_t n = (int64_t)items.size() * H;
     if (n == 0) return;
     const int rows = c.granularity == kvq::GRAN_CHANNEL ? c.group : 1;
     const bool vec = simd_level() >= 1 && D % 8 == 0;
 #pragma omp parallel
     {
-      std::vector<float> buf((size_t)rows * D);
+      std::vector<float> buf((size_t)rows * D), sbuf((size_t)rows * D);
       std::vector<uint8_t> codes((size_t)rows * D);
 #pragma omp for schedule(static)
       for (int64_t w = 0; w < n; ++w) {
@@ -585,19 +690,21 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& cac
           for (int j = 0; j < rows; ++j)
             write_avx2::load_row(src, i + j, h, D, buf.data() + (size_t)j * D);
           if (rows == 1)
-            write_avx2::encode_token_row(c, r, plane, t, buf.data(), D, st[h], codes.data());
+            write_avx2::encode_token_row(q, r, plane, t, buf.data(), D, st[h], codes.data(),
+                                         sbuf.data());
           else
-            write_avx2::encode_channel_group(c, r, plane, t, buf.data(), D, codes.data());
+            write_avx2::encode_channel_group(q, r, plane, t, buf.data(), D, codes.data(),
+                                             sbuf.data());
           continue;
         }
         for (int j = 0; j < rows; ++j) load_row(src, i + j, h, D, buf.data() + (size_t)j * D);
-        if (rows == 1) encode_token_row(c, r, plane, t, buf.data(), D, st[h]);
-        else encode_channel_group(c, r, plane, t, buf.data(), D);
+        if (rows == 1) encode_token_row(q, r, plane, t, buf.data(), D, st[h], sbuf.data());
+        else encode_channel_group(q, r, plane, t, buf.data(), D, sbuf.data());
       }
     }
   };
-  run_side(kc, lay.k, ksrc, kitems, ks);
-  run_side(vc, lay.v, vsrc, vitems, vs);
+  run_side(kq, lay.k, ksrc, kitems, ks);
+  run_side(vq, lay.v, vsrc, vitems, vs);
 }
 
 }  // namespace kvq_cpu

@@ -5,15 +5,17 @@
 namespace kvq_cpu {
 
 // key/value: [N, H, D] fp32/fp16/bf16; cache: uint8 [num_blocks, H, block_size, C];
-// slot_mapping: int64 [N] (-1 = padding); k_scale/v_scale: fp32 [H] static scales.
+// slot_mapping: int64 [N] (-1 = padding); k_scale/v_scale: fp32 [H] static scales;
+// k_levels/v_levels: fp32 [2^bits] codebooks of nuq codecs (ignored, may be empty, else).
 void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& cache,
                  const at::Tensor& slot_mapping, const std::vector<int64_t>& k_codec,
                  const std::vector<int64_t>& v_codec, const at::Tensor& k_scale,
-                 const at::Tensor& v_scale);
+                 const at::Tensor& v_scale, const at::Tensor& k_levels,
+                 const at::Tensor& v_levels);
 
 // out/query: [T, Hq, D]; block_table int32 [S, max_blocks]; seq_lens int32 [S];
 // query_start_loc int32 [S+1]; staging_k/v [Ns, H, D] (dtype of query);
-// staging_start_loc int32 [S+1]; staging_pos0 int32 [S].
+// staging_start_loc int32 [S+1]; staging_pos0 int32 [S]; k_levels/v_levels as write_cache.
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& cache,
                      const at::Tensor& block_table, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, const at::Tensor& staging_k,
@@ -21,7 +23,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const at::Tensor& staging_pos0, int64_t residual_chunk,
                      double softmax_scale, const std::vector<int64_t>& k_codec,
                      const std::vector<int64_t>& v_codec, const at::Tensor& k_scale,
-                     const at::Tensor& v_scale);
+                     const at::Tensor& v_scale, const at::Tensor& k_levels,
+                     const at::Tensor& v_levels);
 
 // Which SIMD path the kernels dispatch to on this CPU: "avx512", "avx2" or "scalar".
 std::string simd_path();

@@ -36,7 +36,8 @@ bool env_on(const char* name) {
 
 void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor cache,
                  const at::Tensor& slot_mapping, c10::IntArrayRef k_codec,
-                 c10::IntArrayRef v_codec, const at::Tensor& k_scale, const at::Tensor& v_scale) {
+                 c10::IntArrayRef v_codec, const at::Tensor& k_scale, const at::Tensor& v_scale,
+                 const at::Tensor& /*k_levels*/, const at::Tensor& /*v_levels*/) {
   TORCH_CHECK(cache.is_cuda(), "vllm_kvq.write_cache (CUDA): cache must be a CUDA tensor");
   const c10::cuda::OptionalCUDAGuard guard(cache.device());
   WriteParams p = make_write_params(key, value, cache, slot_mapping, k_codec, v_codec, k_scale, v_scale);
@@ -60,7 +61,8 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                      const at::Tensor& staging_v, const at::Tensor& staging_start_loc,
                      const at::Tensor& staging_pos0, int64_t residual_chunk,
                      double softmax_scale, c10::IntArrayRef k_codec, c10::IntArrayRef v_codec,
-                     const at::Tensor& k_scale, const at::Tensor& v_scale) {
+                     const at::Tensor& k_scale, const at::Tensor& v_scale,
+                     const at::Tensor& /*k_levels*/, const at::Tensor& /*v_levels*/) {
   TORCH_CHECK(cache.is_cuda(), "vllm_kvq.paged_attention (CUDA): cache must be a CUDA tensor");
   const c10::cuda::OptionalCUDAGuard guard(cache.device());
   AttnPlan plan;

@@ -7,13 +7,16 @@ namespace kvq_cuda {
 
 // key/value: [N, H, D] fp32/fp16/bf16 (last dim contiguous); cache: uint8
 // [num_blocks, H, block_size, C] contiguous; slot_mapping: int64 [N] (-1 = padding);
-// k_scale/v_scale: fp32 [1] or [H] static scales (read for tensor/head codecs only).
+// k_scale/v_scale: fp32 [1] or [H] static scales (read for tensor/head codecs only);
+// k_levels/v_levels: nuq codebooks — nuq and outlier codecs are CPU-only for now, so the
+// CUDA ops refuse them (make_side) and never read these.
 // With KVQ_CUDA_CHECK_SLOTS=1 the op synchronises and raises on slots that are out of
 // range or break the whole-aligned-group rule of per-channel codecs; otherwise such
 // entries are skipped (never partially written).
 void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor cache,
                  const at::Tensor& slot_mapping, c10::IntArrayRef k_codec,
-                 c10::IntArrayRef v_codec, const at::Tensor& k_scale, const at::Tensor& v_scale);
+                 c10::IntArrayRef v_codec, const at::Tensor& k_scale, const at::Tensor& v_scale,
+                 const at::Tensor& k_levels, const at::Tensor& v_levels);
 
 // out/query: [T, Hq, D] fp16/bf16/fp32; block_table int32 [S, max_blocks]; seq_lens int32 [S];
 // query_start_loc int32 [S+1]; staging_k/v [Ns, H, D] (dtype of query, read when
@@ -25,6 +28,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                      const at::Tensor& staging_v, const at::Tensor& staging_start_loc,
                      const at::Tensor& staging_pos0, int64_t residual_chunk,
                      double softmax_scale, c10::IntArrayRef k_codec, c10::IntArrayRef v_codec,
-                     const at::Tensor& k_scale, const at::Tensor& v_scale);
+                     const at::Tensor& k_scale, const at::Tensor& v_scale,
+                     const at::Tensor& k_levels, const at::Tensor& v_levels);
 
 }  // namespace kvq_cuda

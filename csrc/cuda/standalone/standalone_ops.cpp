@@ -42,12 +42,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("with_cuda") = true;
   m.def("write_cache", [](const at::Tensor& k, const at::Tensor& v, at::Tensor cache, const at::Tensor& slots,
                           std::vector<int64_t> kc, std::vector<int64_t> vc, const at::Tensor& ks,
-                          const at::Tensor& vs) { kvq_cuda::write_cache(k, v, cache, slots, kc, vc, ks, vs); });
+                          const at::Tensor& vs, const at::Tensor& kl, const at::Tensor& vl) {
+    kvq_cuda::write_cache(k, v, cache, slots, kc, vc, ks, vs, kl, vl);
+  });
   m.def("paged_attention",
         [](at::Tensor out, const at::Tensor& q, const at::Tensor& cache, const at::Tensor& bt,
            const at::Tensor& sl, const at::Tensor& qsl, const at::Tensor& sk, const at::Tensor& sv,
            const at::Tensor& ssl, const at::Tensor& sp0, int64_t r, double scale, std::vector<int64_t> kc,
-           std::vector<int64_t> vc, const at::Tensor& ks, const at::Tensor& vs) {
-          kvq_cuda::paged_attention(out, q, cache, bt, sl, qsl, sk, sv, ssl, sp0, r, scale, kc, vc, ks, vs);
+           std::vector<int64_t> vc, const at::Tensor& ks, const at::Tensor& vs, const at::Tensor& kl,
+           const at::Tensor& vl) {
+          kvq_cuda::paged_attention(out, q, cache, bt, sl, qsl, sk, sv, ssl, sp0, r, scale, kc, vc, ks, vs,
+                                    kl, vl);
         });
 }
