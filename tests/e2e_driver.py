@@ -21,6 +21,18 @@ def shared_prefix_prompts(windows):
     return [base + windows[1 + i % 3][i * 7:i * 7 + 5 + 13 * i] for i in range(6)]
 
 
+def pages_budget(method: str, pages: int, max_num_seqs: int | None) -> int:
+    """KV bytes for `pages` pages of 128 tokens of the default model, plus the residual
+    window's pool that vllm_kvq.plugin takes out of the budget first (fp32 model)."""
+    from vllm_kvq.formats import parse_format
+
+    fmt = parse_format(method)
+    layers, heads, head_dim = 30, 3, 64
+    page = fmt.layout(head_dim, 128).token_bytes * 128 * heads * layers
+    pool = fmt.residual_bytes_per_seq(layers, heads, head_dim, 4) * (max_num_seqs or 16)
+    return pages * page + pool
+
+
 def main():
     scenario, method, out = sys.argv[1:4]
     extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
@@ -36,6 +48,8 @@ def main():
         from vllm import LLM
 
         budget = extra.pop("kv_budget", 256 << 20)
+        if "kv_pages" in extra:  # a budget of exactly this many pages (+ residual pool)
+            budget = pages_budget(method, extra.pop("kv_pages"), extra.get("max_num_seqs"))
         extra.setdefault("disable_log_stats", False)  # preemption counts
         llm = LLM(**engine_kwargs(method, model, budget, 2048, **extra))
         result = {"method": method, **capacity(llm)}
@@ -46,6 +60,13 @@ def main():
             # twice: with prefix caching on, the second round is served from cached blocks
             result["first"] = greedy(llm, prompts, max_tokens=40)
             result["second"] = greedy(llm, prompts, max_tokens=40)
+        elif scenario == "preempt":
+            # 8 prompts of ~700 tokens + 160 generated: 7 pages each, all at once
+            # (distinct text: no prefix-cache sharing between them)
+            prompts = [windows[i % 4][200 * (i // 4):200 * (i // 4) + 700 + 9 * i]
+                       for i in range(8)]
+            result["tokens"], result["margins"] = greedy_with_margins(
+                llm, [{"prompt_token_ids": p} for p in prompts], 160, ignore_eos=True)
         else:
             raise SystemExit(f"unknown scenario {scenario}")
         stats = llm.llm_engine.get_metrics() if hasattr(llm.llm_engine, "get_metrics") else []

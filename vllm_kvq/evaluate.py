@@ -73,11 +73,12 @@ def greedy(llm, prompts: list[str], max_tokens: int = 24) -> list[list[int]]:
     return [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
 
 
-def greedy_with_margins(llm, prompts: list[str], max_tokens: int = 24):
+def greedy_with_margins(llm, prompts: list, max_tokens: int = 24, ignore_eos: bool = False):
     """Greedy tokens and, per step, the top-1 minus top-2 log-prob (how close a tie was)."""
     from vllm import SamplingParams
 
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=2)
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=2,
+                        ignore_eos=ignore_eos)
     tokens, margins = [], []
     for o in llm.generate(prompts, sp, use_tqdm=False):
         tokens.append(list(o.outputs[0].token_ids))
