@@ -40,6 +40,7 @@ setup(
     version="0.1.0",
     description="Quantized KV caches (fp8, int8/4/2, KIVI, mixed precision) for vLLM",
     packages=find_packages(include=["vllm_kvq", "vllm_kvq.*"]),
+    package_data={"vllm_kvq": ["calibrations/*.safetensors"]},  # shipped nuq calibrations
     python_requires=">=3.10",
     ext_modules=[ext_cls("vllm_kvq._C", sources, include_dirs=[os.path.join(ROOT, "csrc")],
                          define_macros=define_macros, extra_compile_args=extra,

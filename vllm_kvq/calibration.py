@@ -134,6 +134,18 @@ def quantize_dequantize(x: torch.Tensor, levels: torch.Tensor, granularity: str)
     return from_groups(out, g, x)
 
 
+class _one_thread:
+    """Elementwise work on ~10^5 values: one thread. With two OpenMP threads on a busy
+    machine every small op waits milliseconds for the other thread."""
+
+    def __enter__(self):
+        self.n = torch.get_num_threads()
+        torch.set_num_threads(1)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.n)
+
+
 # --- weighted 1-D k-means --------------------------------------------------------------
 def _nearest(x, levels):
     """Index of the nearest level for each x (levels ascending; ties go up)."""
@@ -159,11 +171,54 @@ def _lloyd(x, cw, cwx, levels, iters: int, tol: float):
     return levels
 
 
-def weighted_kmeans_1d(x, w, k: int, iters: int = 1000, tol: float = 1e-10) -> torch.Tensor:
+def _optimal_partition(x, w, k: int):
+    """Globally optimal weighted k-means of sorted 1-D points by dynamic programming over
+    contiguous clusters (O(k n^2), vectorized; meant for n up to ~1000). None if there are
+    fewer points than k."""
+    import numpy as np
+
+    n = len(x)
+    if n < k:
+        return None
+    w = w / w.sum()
+    W = np.concatenate(([0.0], np.cumsum(w)))
+    S1 = np.concatenate(([0.0], np.cumsum(w * x)))
+    S2 = np.concatenate(([0.0], np.cumsum(w * x * x)))
+    i = np.arange(n + 1)[:, None]
+    j = np.arange(n + 1)[None, :]
+    dw = W[j] - W[i]
+    ds = S1[j] - S1[i]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        cost = np.where(dw > 0, S2[j] - S2[i] - ds * ds / np.where(dw > 0, dw, 1.0), 0.0)
+    cost = np.where(j > i, np.maximum(cost, 0.0), np.inf)  # cluster = points i..j-1
+    D = cost[0].copy()                                     # one cluster: points 0..j-1
+    back = []
+    for _ in range(1, k):
+        tot = D[:, None] + cost
+        arg = tot.argmin(0)
+        back.append(arg)
+        D = tot[arg, np.arange(n + 1)]
+    cuts = [n]
+    for arg in reversed(back):
+        cuts.append(int(arg[cuts[-1]]))
+    cuts.append(0)
+    cuts = cuts[::-1]
+    levels = []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        if b <= a or W[b] - W[a] <= 0:
+            return None
+        levels.append((S1[b] - S1[a]) / (W[b] - W[a]))
+    return np.array(levels)
+
+
+def weighted_kmeans_1d(x, w, k: int, iters: int = 1000, tol: float = 1e-10,
+                       coarse: int = 512) -> torch.Tensor:
     """Levels (ascending, float64) minimizing sum w * (x - nearest level)^2 for 1-D points x
-    (sorted ascending) with weights w >= 0. Lloyd's algorithm from several inits (weighted
-    quantiles at (i+1/2)/k, and at i/(k-1), which starts the end levels at the data's ends,
-    and an even grid); the best is kept. An empty cluster keeps its level."""
+    with weights w >= 0. Starts: the globally optimal partition of the points merged into
+    at most `coarse` runs (dynamic programming), weighted quantiles at (i+1/2)/k and at
+    i/(k-1) (the ends at the data's ends), an even grid; each refined by Lloyd's algorithm
+    on all points, the best kept. With <= `coarse` points the result is the global optimum.
+    An empty cluster keeps its level."""
     import numpy as np
 
     x = torch.as_tensor(x).double().numpy()
@@ -183,11 +238,20 @@ def weighted_kmeans_1d(x, w, k: int, iters: int = 1000, tol: float = 1e-10) -> t
 
     inits = [quantiles((np.arange(k) + 0.5) / k), quantiles(np.linspace(0, 1, k)),
              np.linspace(x[0], x[-1], k)]
+    if len(x) <= coarse:
+        opt = _optimal_partition(x, w, k)
+    else:  # merge runs of consecutive points (weighted means, summed weights)
+        edges = np.linspace(0, len(x), coarse + 1).round().astype(int)
+        mw = cw[edges[1:]] - cw[edges[:-1]]
+        mx = (cwx[edges[1:]] - cwx[edges[:-1]]) / np.where(mw > 0, mw, 1.0)
+        opt = _optimal_partition(mx[mw > 0], mw[mw > 0], k)
+    if opt is not None:
+        inits.insert(0, opt)
     best, best_cost = None, math.inf
     for levels in inits:
         levels = _lloyd(x, cw, cwx, np.asarray(levels, dtype=np.float64), iters, tol)
         cost = float((w * (x - levels[_nearest(x, levels)]) ** 2).sum())
-        if cost < best_cost:
+        if cost < best_cost - 1e-15 * cw[-1]:
             best, best_cost = levels, cost
     return torch.from_numpy(best.copy())
 
@@ -225,20 +289,29 @@ class Accumulator:
 
     def add(self, layer: int, side: str, x: torch.Tensor, grad: torch.Tensor | None) -> None:
         """x, grad: [B, H, T, D] (grad None: unweighted only)."""
-        x = x.detach().double()
+        with _one_thread():
+            self._add(layer, side, x, grad)
+
+    def _add(self, layer, side, x, grad) -> None:
+        x = x.detach().float()
         self.tails[(layer, side)].add(x)
         if side == "k" and layer == 0:
             self.values += x.numel()
+        g2 = None if grad is None else grad.detach().float().square()
         for g in self.grans:
             xn, _, scale, valid = normalize(to_groups(x, g), g)
-            idx = torch.round((xn[valid] + 1) * (self.grid / 2)).long().clamp(0, self.grid)
-            weights = {"unweighted": torch.ones(idx.shape, dtype=torch.float64)}
-            if grad is not None:
-                fisher = to_groups(grad.detach().double(), g) ** 2 * scale ** 2
-                weights["fisher"] = fisher[valid]
+            idx = ((xn + 1) * (self.grid / 2)).round_().long().clamp_(0, self.grid)
+            weights = {"unweighted": None}
+            if g2 is not None:
+                weights["fisher"] = to_groups(g2, g) * scale.square()
+            if not bool(valid.all()):
+                idx = idx[valid]
+                weights = {k: (None if w is None else w[valid]) for k, w in weights.items()}
+            idx = idx.flatten()
             for wname, w in weights.items():
                 key = (layer, side, g.name, wname)
-                h = torch.bincount(idx, weights=w, minlength=self.grid + 1)
+                h = torch.bincount(idx, weights=None if w is None else w.flatten().double(),
+                                   minlength=self.grid + 1).double()
                 self.hist[key] = self.hist[key] + h if key in self.hist else h
 
     def fit(self, bits=BITS, meta: dict | None = None) -> "Calibration":
@@ -289,6 +362,8 @@ class Calibration:
         n = self.meta["num_layers"]
         if not 0 <= layer < n:
             raise CalibrationError(f"layer {layer} is out of range: the calibration has {n} layers")
+        if granularity == f"group{self.meta.get('head_dim')}":
+            granularity = "token"  # one group spanning the head vector is the token's group
         key = f"levels.{weighting}.{side}.{granularity}.b{bits}"
         t = self.tensors.get(key)
         if t is None:
@@ -516,8 +591,9 @@ def evaluate(model, windows: list[list[int]], cal: Calibration, configs: list[di
         n_pos += len(tgt)
         for c, s in zip(configs, sums):
             def hook(layer, k, v, c=c):
-                return (quantize_dequantize(k, levels_for(c, layer, "k"), c["k"]),
-                        quantize_dequantize(v, levels_for(c, layer, "v"), c["v"]))
+                with _one_thread():
+                    return (quantize_dequantize(k, levels_for(c, layer, "k"), c["k"]),
+                            quantize_dequantize(v, levels_for(c, layer, "v"), c["v"]))
 
             with _set_hook(hook):
                 lp = torch.log_softmax(model(input_ids=x).logits[0, :-1].float(), -1)
@@ -537,7 +613,7 @@ def evaluate(model, windows: list[list[int]], cal: Calibration, configs: list[di
 EVAL_CONFIGS = [dict(bits=b, k=k, v=v, levels=lv)
                 for b, k, v in [(3, "token", "token"), (3, "channel32", "token"),
                                 (3, "group32", "group32"), (3, "token_o1", "token_o1"),
-                                (2, "channel32", "token")]
+                                (2, "channel32", "token"), (4, "channel32", "token")]
                 for lv in ("uniform", "unweighted", "fisher")]
 
 
@@ -660,7 +736,9 @@ def cmd_calibrate(args) -> int:
     import vllm_kvq
     meta["vllm_kvq_version"] = getattr(vllm_kvq, "__version__", "0.1.0")
     cal = acc.fit(bits, meta)
+    cal.meta["seconds"] = round(time.time() - t0, 1)
     if args.eval_windows:
+        t1 = time.time()
         from vllm_kvq.compare import held_out_windows
 
         ew = held_out_windows(tok, args.eval_windows, args.eval_seq_len, seed=args.seed)
@@ -668,11 +746,12 @@ def cmd_calibrate(args) -> int:
                    and c["v"] in grans]
         rows = evaluate(model, ew, cal, configs, progress=not args.quiet)
         cal.meta["evaluation"] = {"windows": args.eval_windows, "window": args.eval_seq_len,
+                                  "seconds": round(time.time() - t1, 1),
                                   "rows": [{k: (round(v, 6) if isinstance(v, float) else v)
                                             for k, v in r.items()} for r in rows]}
         print(evaluation_markdown(rows, args.eval_windows, args.eval_seq_len))
-    cal.meta["seconds"] = round(time.time() - t0, 1)
     out = cal.save(args.out)
     print(f"wrote {out} ({out.stat().st_size} bytes, {len(windows)} x {args.seq_len} tokens, "
-          f"{cal.meta['seconds']} s)", file=sys.stderr)
+          f"calibration {cal.meta['seconds']} s, total {time.time() - t0:.1f} s)",
+          file=sys.stderr)
     return 0
