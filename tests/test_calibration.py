@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from vllm_kvq import calibration as C
-from vllm_kvq.calibration import (CALIBRATION_VERSION, Calibration, CalibrationError,
+from vllm_kvq.calibration import (CALIBRATION_VERSION, CalibrationError,
                                   default_calibration_path, load_calibration, read_calibration)
 
 SMOL = dict(num_layers=30, num_kv_heads=3, head_dim=64)
