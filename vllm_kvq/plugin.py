@@ -78,15 +78,16 @@ def validate_vllm_config(vllm_config) -> None:
         per_seq = cfg.fmt.residual_bytes_per_seq(layers, heads, model.get_head_size(),
                                                  model.dtype.itemsize)
         pool = per_seq * residual_slot_count(vllm_config)
-        if pool >= cache.kv_cache_memory_bytes:
-            raise ValueError(
-                f"vllm-kvq: the residual window ({cfg.fmt.residual_tokens} tokens x "
-                f"max_num_seqs={residual_slot_count(vllm_config)}) needs {pool} bytes, more "
-                f"than the KV budget {cache.kv_cache_memory_bytes}; lower max_num_seqs or "
-                f"kvq.residual_tokens")
-        # Idempotent: the platform hook may run again on the same config; a budget that
-        # still carries our subtraction is left alone.
+        # Idempotent: the platform hook runs again on the same config (in the engine core,
+        # after the handshake); a budget that already carries our subtraction is left
+        # alone, and only a budget not yet reduced is checked against the pool.
         if getattr(cache, "_kvq_budget_after", None) != cache.kv_cache_memory_bytes:
+            if pool >= cache.kv_cache_memory_bytes:
+                raise ValueError(
+                    f"vllm-kvq: the residual window ({cfg.fmt.residual_tokens} tokens x "
+                    f"max_num_seqs={residual_slot_count(vllm_config)}) needs {pool} bytes, "
+                    f"more than the KV budget {cache.kv_cache_memory_bytes}; lower "
+                    f"max_num_seqs or kvq.residual_tokens")
             cache.kv_cache_memory_bytes -= pool
             object.__setattr__(cache, "_kvq_budget_after", cache.kv_cache_memory_bytes)
             logger.info("vllm-kvq: %d bytes of the KV budget hold the residual window",
