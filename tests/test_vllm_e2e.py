@@ -139,16 +139,17 @@ def test_small_prefill_chunks_read_the_same_cache(method):
 def test_preemption_completes_every_request():
     """A KV budget of 20 pages for 8 sequences that need 7 pages each: vLLM must preempt
     and recompute (the residual window's slots are released and rebuilt); every request
-    still finishes with all its tokens, and the first tokens match an unconstrained run's."""
+    still finishes with all its tokens, and matches an unconstrained run's greedy tokens
+    up to a near-tie (recompute runs other batch shapes, so float noise can flip a tie)."""
     tight = run("preempt", "kivi2", json.dumps({"kv_pages": 20, "max_num_seqs": 8}))
     roomy = run("preempt", "kivi2", json.dumps({"kv_pages": 200, "max_num_seqs": 8}))
     assert tight["num_blocks"] <= 20 and roomy["preemptions"] == 0
     assert tight["preemptions"] > 0, tight["preemptions"]
     assert [len(t) for t in tight["tokens"]] == [PREEMPT_TOKENS] * 8
-    # recompute runs other batch shapes: compare up to a near-tie (as for bf16 vs vLLM)
     for a, b, margins in zip(tight["tokens"], roomy["tokens"], roomy["margins"]):
         i = first_divergence(a, b)
-        print(i, margins[i] if i is not None else None)
+        # measured: 7 of 8 identical, one flips at step 45 on a 0.008-nat tie
+        assert i is None or margins[i] < NEAR_TIE_NATS, (i, margins[:i + 1])
 
 
 PREEMPT_TOKENS = 160
