@@ -6,6 +6,9 @@ effective GB/s of KV bytes read (pages incl. scales; min over repeats), speed ra
 bf16 kernel (torch.ops._C.cpu_attention_with_kv_cache) on the same shape in the same run.
 
   python benchmarks/bench_cpu_attention.py [--quick] [--threads N] [--formats bf16,kivi2]
+
+nuq formats (e.g. --formats nuq3,int4_token_o1) run with the uniform codebook: the speed of
+a codebook does not depend on its levels.
 """
 from __future__ import annotations
 
@@ -61,8 +64,11 @@ def bench_ours(name, Hq, H, D, batch, ctx, gen, q, k, v):
     bt, total = make_block_tables(batch, ctx, gen)
     cache = torch.empty(total, H, BLOCK, lay.token_bytes, dtype=torch.uint8)
     nbase = min(total, BASE_TOKENS // BLOCK)
+    from vllm_kvq.reference import uniform_levels
+    lv = {side: uniform_levels(c.bits) if c.encoding == "nuq" else None
+          for side, c in (("k_levels", fmt.key), ("v_levels", fmt.value))}
     ops.write_cache(k[:nbase * BLOCK], v[:nbase * BLOCK], cache, torch.arange(nbase * BLOCK),
-                    fmt)
+                    fmt, **lv)
     fill_planes(cache, nbase)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
@@ -78,7 +84,7 @@ def bench_ours(name, Hq, H, D, batch, ctx, gen, q, k, v):
     out = torch.empty_like(q)
 
     def run():
-        ops.paged_attention(q, cache, bt, seq_lens, qsl, fmt, D ** -0.5, out=out, **extra)
+        ops.paged_attention(q, cache, bt, seq_lens, qsl, fmt, D ** -0.5, out=out, **extra, **lv)
 
     ms = timeit(run)
     nbytes = batch * H * ctx * lay.token_bytes

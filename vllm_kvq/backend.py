@@ -30,7 +30,7 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, Attentio
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from vllm_kvq import ops
-from vllm_kvq.config import KVQConfig, config_from_vllm, load_levels
+from vllm_kvq.config import KVQConfig, config_from_vllm, layer_index, load_levels
 from vllm_kvq.formats import SUPPORTED_HEAD_SIZES
 from vllm_kvq.residual import ResidualSlots, StepPlan, plan_tensors, stage_and_write
 
@@ -58,15 +58,6 @@ def model_levels(config: KVQConfig, vllm_config: VllmConfig) -> list[tuple]:
                        num_kv_heads=model.get_total_num_kv_heads(),
                        head_dim=model.get_head_size(),
                        model_type=getattr(model.hf_config, "model_type", None))
-
-
-def layer_index(layer_name: str) -> int:
-    """The decoder layer index in a vLLM attention layer name."""
-    nums = [int(p) for p in layer_name.split(".") if p.isdigit()]
-    if len(nums) != 1:
-        raise ValueError(f"vllm-kvq: cannot tell the layer index of attention layer "
-                         f"{layer_name!r} (nuq codebooks are per layer)")
-    return nums[0]
 
 
 def residual_slot_count(vllm_config: VllmConfig) -> int:

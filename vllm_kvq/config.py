@@ -224,6 +224,16 @@ def resolve_calibration(cfg: KVQConfig, model: str | None) -> KVQConfig:
     return dataclasses.replace(cfg, calibration=str(path))
 
 
+def layer_index(layer_name: str) -> int:
+    """The decoder layer index in a vLLM attention layer name
+    (model.layers.12.self_attn.attn -> 12)."""
+    nums = [int(p) for p in layer_name.split(".") if p.isdigit()]
+    if len(nums) != 1:
+        raise ValueError(f"vllm-kvq: cannot tell the layer index of attention layer "
+                         f"{layer_name!r} (nuq codebooks are per layer)")
+    return nums[0]
+
+
 def load_levels(cfg: KVQConfig, *, num_layers: int, num_kv_heads: int, head_dim: int,
                 model_type: str | None = None) -> list[tuple]:
     """Per layer, (k_levels, v_levels): the float32 codebooks of the format's nuq codecs
@@ -235,6 +245,22 @@ def load_levels(cfg: KVQConfig, *, num_layers: int, num_kv_heads: int, head_dim:
         raise FormatError(f"kvq.method={cfg.fmt.name!r} needs kvq.calibration")
     return _load_levels(cfg.calibration, cfg.fmt.key, cfg.fmt.value, num_layers, num_kv_heads,
                         head_dim, model_type)
+
+
+def _codebook(cal, layer: int, side: str, c):
+    """The levels fitted for this codec's scale groups: with outlier slots, those fitted
+    with outliers left out (granularity "token_o1", ...) when the file has them."""
+    from vllm_kvq.calibration import CalibrationError
+    names = [c.gran_name]
+    if c.outliers:
+        names = [f"{c.gran_name}_o{c.outliers}", f"{c.gran_name}_o1", c.gran_name]
+        names = list(dict.fromkeys(names))
+    for i, name in enumerate(names):
+        try:
+            return cal.levels(layer, side, c.bits, name)
+        except CalibrationError:
+            if i == len(names) - 1:
+                raise
 
 
 @lru_cache(maxsize=8)
@@ -251,7 +277,7 @@ def _load_levels(path, kc, vc, num_layers, num_kv_heads, head_dim, model_type):
                 if c.encoding != "nuq":
                     pair.append(None)
                     continue
-                lv = cal.levels(layer, side, c.bits, c.gran_name)
+                lv = _codebook(cal, layer, side, c)
                 pair.append(check_levels(lv, c, f"calibration {path}: layer {layer} {side} "
                                                 f"levels"))
             out.append(tuple(pair))

@@ -18,7 +18,9 @@ Names (`parse_format`):
                                      non-uniform: a b-bit index into a per-layer codebook
                                      (from the calibration file) with scale+zero like int
   nuq{2,3,4}                         the default nuq format of that width (NUQ_DEFAULTS
-                                     below, with the measurement behind the choice)
+                                     below, with the measurement behind the choice): keys
+                                     per channel over 32 tokens, values per token, 1 outlier
+                                     slot each, 32 recent tokens in full precision
   suffixes: _sym (symmetric int), _o{N} (N outlier slots per token per kv head, int and
             nuq: the N largest |x| of a token are stored exactly as fp16 and left out of the
             dense scale), _r{R} (R recent tokens in full precision), in that order;
@@ -279,11 +281,27 @@ _FP8_RE = re.compile(r"^(?P<enc>fp8_e4m3|fp8_e5m2)(?:_(?P<gran>tensor|head|token
 _KIVI_RE = re.compile(r"^kivi(?P<bits>\d+)(?:_k(?P<G>\d+))?(?:_g(?P<g>\d+))?(?:_r(?P<r>\d+))?$")
 _FLOAT_RE = re.compile(r"^(?P<enc>bf16|fp16)(?:_r(?P<r>\d+))?$")
 
-# The KVQuant-style default of each nuq width: (key codec, value codec, residual tokens).
-# Provisional (per-token scales, one outlier slot per token, keys and values) until the
-# measurement on captured SmolLM2 K/V picks one (benchmarks/nuq_measure.py).
-NUQ_DEFAULTS = {b: (Codec("nuq", b, "token", outliers=1), Codec("nuq", b, "token", outliers=1),
-                    0) for b in NUQ_BITS}
+# The KVQuant-style default of each nuq width: (key codec, value codec, residual tokens):
+# keys per channel over 32 tokens, values per token, one outlier slot per token on both
+# sides ("dense-and-sparse"), the last 32 tokens in full precision. Chosen by measurement
+# (benchmarks/nuq_measure.py: SmolLM2-135M, fp32, 4 x 512 held-out tokens, codebooks =
+# 1-D k-means per layer and side on 4 x 512 calibration tokens, exact kernel rules):
+#
+#   format (bytes per token per kv head, head_dim 64)   no window         R = 32
+#                                                       KL     ppl        KL      ppl
+#   int3_group32 (64)                                  0.225  +24.3%     0.0525  +4.6%
+#   int4_token (72)                                    0.087  +10.5%     0.0207  +1.6%
+#   nuq3 per token + 1 slot, K and V (64)              0.148  +14.5%     0.0372  +2.5%
+#   nuq3 K channel32 / V token + 1 slot (64)             -      -        0.0213  +0.9%
+#   nuq3 K channel32 + 1 slot / V token + 1 slot (68)    -      -        0.0158  +0.9%  <- nuq3
+#
+# i.e. nuq3 has a lower KL than uniform int3 and than per-token int4, with or without
+# their own 32-token window, at fewer bytes than int4_token. The window costs
+# 2 * 32 * head_dim * 2 bytes per kv head per layer per running sequence (counted in the
+# KV budget by vllm_kvq.plugin), like KIVI's; per-token variants need none
+# (nuq3_token_o1: KL 0.148 with no window).
+NUQ_DEFAULTS = {b: (Codec("nuq", b, "channel", 32, outliers=1),
+                    Codec("nuq", b, "token", outliers=1), 32) for b in NUQ_BITS}
 
 EXAMPLE_NAMES = ("bf16", "fp16", "fp8_e4m3", "fp8_e5m2", "fp8_e4m3_token", "int8_token",
                  "int8_group32", "int4_token", "int4_group32", "int4_group32_r128",
