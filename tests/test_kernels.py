@@ -226,7 +226,8 @@ def test_write_cache_channel_group_errors(bad):
     # The C++ op checks the same before writing anything.
     with pytest.raises(RuntimeError, match="whole aligned groups of 32"):
         torch.ops.vllm_kvq.write_cache(x, x, cache, slots, fmt.key.as_ints(),
-                                       fmt.value.as_ints(), torch.ones(H), torch.ones(H))
+                                       fmt.value.as_ints(), torch.ones(H), torch.ones(H),
+                                       torch.empty(0), torch.empty(0))
     assert cache.count_nonzero() == 0
 
 

@@ -104,6 +104,7 @@ struct TileBufs {
   float st[2]; // static scale and its zero
   uint8_t* u8; // TT * D unpacked int3 codes
   float* f32;  // TT * D decoded values (nuq / outlier codecs)
+  float* lut;  // 16 * D: per-channel lookup tables (nuq / outlier codecs, channel scales)
 };
 
 // Whether a codec is decoded to fp32 rows when its tile is prepared (K_F32).
@@ -111,10 +112,37 @@ static inline bool predecoded(const kvq::Codec& c) {
   return c.encoding == kvq::ENC_NUQ || c.outliers > 0;
 }
 
+// Codes [d0, d1) of a row (d0, d1 multiples of 8) -> dst[d] = lut[code] (one table for
+// the range) or lut[d * 16 + code] (PERCH: one 16-entry table per channel).
+template <bool PERCH>
+static inline void lut_row(const uint8_t* row, int bits, int d0, int d1, const float* lut,
+                           float* dst) {
+  auto L = [&](int d, uint32_t code) { return PERCH ? lut[d * 16 + code] : lut[code]; };
+  if (bits == 4) {
+    for (int d = d0; d < d1; d += 2) {
+      const uint32_t b = row[d >> 1];
+      dst[d] = L(d, b & 15u);
+      dst[d + 1] = L(d + 1, b >> 4);
+    }
+  } else if (bits == 2) {
+    for (int d = d0; d < d1; d += 4) {
+      const uint32_t b = row[d >> 2];
+      for (int i = 0; i < 4; ++i) dst[d + i] = L(d + i, (b >> (2 * i)) & 3u);
+    }
+  } else {  // 3 bits: 8 codes per 3 bytes
+    for (int d = d0; d < d1; d += 8) {
+      const uint8_t* p = row + d / 8 * 3;
+      const uint32_t w = (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16);
+      for (int i = 0; i < 8; ++i) dst[d + i] = L(d + i, (w >> (3 * i)) & 7u);
+    }
+  }
+}
+
 // Rows [off, off+cnt) of a nuq or outlier codec's region -> fp32 rows of tb.f32 as tokens
 // at.. of the tile: dense values as the reference computes them (value = table[code] *
 // scale + zero, one rounding each: table = the codebook for nuq, code or code - 2^(b-1)
-// for int), then every outlier slot whose channel is below D replaces that channel.
+// for int; evaluated once per scale group into a small lookup table for b <= 4), then
+// every outlier slot whose channel is below D replaces that channel.
 static void predecode_segment(const kvq::Codec& c, const kvq::Region& r, const uint8_t* plane,
                               int off, int cnt, int at, int D, float st, const float* levels,
                               TileBufs& tb, TileSrc& ts) {
@@ -124,22 +152,21 @@ static void predecode_segment(const kvq::Codec& c, const kvq::Region& r, const u
   const bool sym = !nuq && c.symmetric;
   for (int k = 0; k < n; ++k)
     tab[k] = nuq ? levels[k] : (float)(sym ? k - (n >> 1) : k);
+  const bool small = c.bits <= 4;
   const uint8_t* data = plane + r.data_off;
   const bool zeros = r.zero_bytes > 0;
-  int srow_loaded = -1;  // channel granularity: the scale row in tb.cs / tb.cz
+  float lut[16];
+  int srow_loaded = -1;  // channel granularity: the scale row whose tables are in tb.lut
   for (int i = 0; i < cnt; ++i) {
     const int tok = off + i;
     const uint8_t* row = data + (int64_t)tok * r.row_bytes;
     float* dst = tb.f32 + (int64_t)(at + i) * D;
     auto dense = [&](int d0, int d1, float s, float z) {
-      if (c.bits == 4) {
-        for (int d = d0; d < d1; ++d) dst[d] = tab[(row[d >> 1] >> ((d & 1) * 4)) & 15] * s + z;
-      } else if (c.bits == 2) {
-        for (int d = d0; d < d1; ++d) dst[d] = tab[(row[d >> 2] >> ((d & 3) * 2)) & 3] * s + z;
-      } else if (c.bits == 8) {
-        for (int d = d0; d < d1; ++d) dst[d] = tab[row[d]] * s + z;
+      if (small) {
+        for (int k = 0; k < n; ++k) lut[k] = tab[k] * s + z;
+        lut_row<false>(row, c.bits, d0, d1, lut, dst);
       } else {
-        for (int d = d0; d < d1; ++d) dst[d] = tab[kvq::get_code(row, d, c.bits)] * s + z;
+        for (int d = d0; d < d1; ++d) dst[d] = tab[row[d]] * s + z;
       }
     };
     switch (c.granularity) {
@@ -161,11 +188,15 @@ static void predecode_segment(const kvq::Codec& c, const kvq::Region& r, const u
           cvt_f16(plane + r.scale_off + 2 * (int64_t)srow * D, D, 1.0f, tb.cs);
           if (zeros) cvt_f16(plane + r.zero_off + 2 * (int64_t)srow * D, D, 1.0f, tb.cz);
           else for (int d = 0; d < D; ++d) tb.cz[d] = 0.0f;
+          if (small)
+            for (int d = 0; d < D; ++d)
+              for (int k = 0; k < n; ++k) tb.lut[d * 16 + k] = tab[k] * tb.cs[d] + tb.cz[d];
           srow_loaded = srow;
         }
-        for (int d = 0; d < D; ++d) {
-          const uint32_t code = c.bits == 8 ? row[d] : kvq::get_code(row, d, c.bits);
-          dst[d] = tab[code] * tb.cs[d] + tb.cz[d];
+        if (small) {
+          lut_row<true>(row, c.bits, 0, D, tb.lut, dst);
+        } else {
+          for (int d = 0; d < D; ++d) dst[d] = tab[row[d]] * tb.cs[d] + tb.cz[d];
         }
         break;
       }
@@ -635,6 +666,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   int* pq = Fq + Mp;
   tb.u8 = (uint8_t*)(pq + Mp);  // TT * D bytes
   tb.f32 = (float*)(tb.u8 + (size_t)TT * D);  // TT * D floats
+  tb.lut = tb.f32 + (size_t)TT * D;            // 16 * D floats
 
   for (int i = 0; i < T.nq; ++i) {
     const int p = T.pos0 + i;

@@ -66,7 +66,7 @@ inline size_t partial_floats(int M, int D) { return (size_t)M * (2 + D); }
 inline size_t scratch_floats(int max_rows, int D) {
   const size_t M = (size_t)(max_rows < 16 ? 16 : max_rows), TT = kTileTokens;
   return M * D * 3 + M * TT + TT * D + 2 * TT * (D / 16) + 8 * (size_t)D + 6 * M +
-         TT * D / 4 + TT * D + 256;
+         TT * D / 4 + TT * D + 16 * (size_t)D + 256;
 }
 
 using TaskFn = void (*)(const AttnParams&, const AttnTask&, float* scratch);
