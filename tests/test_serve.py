@@ -17,7 +17,8 @@ from vllm_kvq.formats import FormatError
 
 pytestmark = pytest.mark.e2e
 API_KEY = "kvq-test-key"
-METHODS = ["fp8_e4m3", "int8_token", "int8_group32", "int4_group32", "kivi4", "kivi2"]
+METHODS = ["fp8_e4m3", "int8_token", "int8_group32", "int4_group32", "kivi4", "kivi2",
+           "nuq3"]  # nuq3: the calibration shipped for the default model, found by itself
 
 
 def free_port() -> int:
