@@ -10,8 +10,9 @@ a query at position p reads positions >= floor((p+1)/R)*R in full precision.
 Codebooks are fitted here, per layer and side, on K/V captured from calibration text
 (State of the Union speeches 1946-1989, disjoint from the held-out windows): "quantile"
 (levels at evenly spaced quantiles of the normalized values, ends at +-1) or "kmeans"
-(1-D Lloyd from the quantiles, unweighted). The Fisher-weighted codebooks of
-`vllm-kvq calibrate` are measured by its own `evaluate`.
+(1-D Lloyd from the quantiles, unweighted), "kmeans_pinned" (ends kept at +-1), or "fisher":
+the shipped calibration of `vllm-kvq calibrate` (Fisher-weighted k-means), looked up as the
+backend does (vllm_kvq.config).
 
     python benchmarks/nuq_measure.py [--train 4] [--eval 4] [--window 512]
 """
@@ -46,10 +47,16 @@ def _attention(module, query, key, value, attention_mask, scaling=None, dropout=
         kq = _quantize(key, fmt.key, kl)
         vq = _quantize(value, fmt.value, vl)
         R = fmt.residual_chunk
-        for side, a, b in (("k", key, kq), ("v", value, vq)):
+        for side, a, b, c in (("k", key, kq, fmt.key), ("v", value, vq, fmt.value)):
             s = STATE["err"].setdefault(side, [0.0, 0.0])
             s[0] += float((a - b).pow(2).sum())
             s[1] += float(a.pow(2).sum())
+            # values above this layer's 1% |x| threshold that found no outlier slot
+            thr = STATE["thresholds"][layer][side]
+            o = STATE["err"].setdefault("over", [0, 0])
+            o[0] += sum(ref.outlier_overflow(a[0, h].float(), c.outliers, thr)
+                        for h in range(a.shape[1]))
+            o[1] += int((a.abs() > thr).sum())
     g = query.shape[1] // key.shape[1]
     rep = (lambda t: t.repeat_interleave(g, dim=1)) if g > 1 else (lambda t: t)
     q = query * (scaling if scaling is not None else query.shape[-1] ** -0.5)
@@ -135,6 +142,18 @@ def parse_spec(name: str) -> KVFormat:
     return KVFormat(name, a.key, b.value, max(a.residual_tokens, b.residual_tokens))
 
 
+def fisher_levels(layer: int, side: str, codec: Codec) -> torch.Tensor:
+    from vllm_kvq.calibration import default_calibration_path, read_calibration
+    from vllm_kvq.config import _codebook
+    from vllm_kvq.model_prep import default_model_dir
+    if "cal" not in STATE:
+        path = default_calibration_path(str(default_model_dir()))
+        if path is None:
+            raise SystemExit("no shipped calibration for the default model")
+        STATE["cal"] = read_calibration(path)
+    return _codebook(STATE["cal"], layer, side, codec)
+
+
 # --- runs ----------------------------------------------------------------------------------------
 def logprobs(model, ids):
     with torch.no_grad():
@@ -164,6 +183,9 @@ def main(argv=None) -> int:
     L = len(STATE["kv"])
     train_kv = {l: (torch.cat([k for k, _ in v], 1), torch.cat([x for _, x in v], 1))
                 for l, v in STATE["kv"].items()}  # [H, T, D]
+    # |x| exceeded by 1% of a layer's keys (values) on the calibration text
+    STATE["thresholds"] = {l: {s: float(torch.quantile(x.float().abs().reshape(-1)[::7], 0.99))
+                               for s, x in zip("kv", train_kv[l])} for l in range(L)}
     STATE.update(mode=None)
     base = [logprobs(model, ids) for ids in evalw]
     print(f"# model loaded, {L} layers, captured {args.train}x{args.window} train tokens, "
@@ -190,6 +212,8 @@ def main(argv=None) -> int:
                     pair.append(None)
                 elif method == "uniform":
                     pair.append(ref.uniform_levels(c.bits))
+                elif method == "fisher":
+                    pair.append(fisher_levels(l, "k" if x is train_kv[l][0] else "v", c))
                 else:
                     key = (l, x is train_kv[l][0], c.bits, c.granularity, c.group, c.outliers,
                            method)
@@ -212,25 +236,30 @@ def main(argv=None) -> int:
                        for ids, b in zip(evalw, base))
         err = STATE["err"]
         lay = fmt.layout(64, 128)
-        runs.append(dict(name=spec, bytes=lay.token_bytes,
+        over = err["over"][0] / max(1, err["over"][1])
+        runs.append(dict(name=spec, bytes=lay.token_bytes, over=over,
                          rk=math.sqrt(err["k"][0] / err["k"][1]),
                          rv=math.sqrt(err["v"][0] / err["v"][1]),
                          kl=kl / npos, ppl=math.exp((nll - base_nll) / npos) - 1))
         r = runs[-1]
         print(f"{spec:34s} {r['bytes']:4d} B  relRMSE K {r['rk']:.4f} V {r['rv']:.4f}  "
-              f"KL {r['kl']:.5f}  ppl {100 * r['ppl']:+.2f}%  ({time.time() - t1:.0f}s)",
+              f"KL {r['kl']:.5f}  ppl {100 * r['ppl']:+.2f}%  overflow {100 * over:.0f}%  "
+              f"({time.time() - t1:.0f}s)",
               file=sys.stderr)
     STATE.update(mode=None)
 
     print(f"\nSmolLM2-135M (fp32), {args.eval} x {args.window} held-out tokens; codebooks "
           f"fitted on {args.train} x {args.window} calibration tokens; bytes per token per kv "
-          f"head (K+V, head_dim 64, block 128; residual window not counted).\n")
-    print("| format | levels | bytes | rel RMSE K | rel RMSE V | mean KL | ppl change |")
-    print("|---|---|---|---|---|---|---|")
+          f"head (K+V, head_dim 64, block 128; residual window not counted). Overflow: of "
+          f"the values above their layer's 1% |x| threshold, the share that found no outlier "
+          f"slot (fell back to the dense path).\n")
+    print("| format | levels | bytes | rel RMSE K | rel RMSE V | mean KL | ppl change | "
+          "overflow |")
+    print("|---|---|---|---|---|---|---|---|")
     for r in runs:
         name, _, method = r["name"].partition(":")
         print(f"| {name} | {method or '-'} | {r['bytes']} | {r['rk']:.4f} | {r['rv']:.4f} | "
-              f"{r['kl']:.5f} | {100 * r['ppl']:+.2f}% |")
+              f"{r['kl']:.5f} | {100 * r['ppl']:+.2f}% | {100 * r['over']:.0f}% |")
     return 0
 
 

@@ -447,3 +447,19 @@ def test_real_kv_fitted_levels_beat_uniform(real_kv):
             errs[name] = errs.get(name, 0.0) + (y - K).pow(2).mean().item()
     assert errs["fitted"] < errs["uniform"]
     assert errs["fitted_o1"] < errs["fitted"]
+
+
+def test_shipped_calibration_serves_the_nuq_aliases():
+    """The default model's shipped calibration is found without kvq.calibration and holds
+    codebooks for nuq2/3/4 (keys per channel32, values per token with an outlier slot)."""
+    from vllm_kvq.calibration import default_calibration_path
+    from vllm_kvq.model_prep import default_model_dir
+    model = str(default_model_dir())
+    if default_calibration_path(model) is None:
+        pytest.skip("no shipped calibration for the default model")
+    for b in (2, 3, 4):
+        cfg = resolve_calibration(config_from_dict({"method": f"nuq{b}"}), model)
+        levels = load_levels(cfg, num_layers=30, num_kv_heads=3, head_dim=64,
+                             model_type="llama")
+        assert len(levels) == 30
+        assert all(k.numel() == v.numel() == 2 ** b for k, v in levels)

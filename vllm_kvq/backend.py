@@ -54,7 +54,8 @@ def model_levels(config: KVQConfig, vllm_config: VllmConfig) -> list[tuple]:
     if not config.fmt.needs_levels:
         return []
     model = vllm_config.model_config
-    return load_levels(config, num_layers=model.get_num_layers(vllm_config.parallel_config),
+    # all layers (layer names carry global indices, also under pipeline parallelism)
+    return load_levels(config, num_layers=model.get_total_num_hidden_layers(),
                        num_kv_heads=model.get_total_num_kv_heads(),
                        head_dim=model.get_head_size(),
                        model_type=getattr(model.hf_config, "model_type", None))
