@@ -120,20 +120,11 @@ def preset(quick: bool, methods: list[str] | None, model: str) -> Plan:
 def held_out_windows(tokenizer, n_windows: int, window: int, seed: int = 0) -> list[list[int]]:
     """Windows of real text from speeches the tests' quality windows do not use: the same
     seeded shuffle as corpus.token_windows(seed=0), taken from the other end."""
-    from vllm_kvq.corpus import _year, speeches
+    from vllm_kvq.corpus import _year, speeches, windows_from
 
     files = [f for f in speeches() if _year(f) >= 1990]
     random.Random(0).shuffle(files)
-    rng = random.Random(1000 + seed)
-    out = []
-    for f in reversed(files):
-        ids = tokenizer.encode(f.read_text(encoding="utf-8"), add_special_tokens=False)
-        if len(ids) >= window + 64:
-            start = rng.randrange(0, len(ids) - window)
-            out.append(ids[start:start + window])
-        if len(out) == n_windows:
-            return out
-    raise ValueError(f"the corpus has only {len(out)} speeches of >= {window} tokens")
+    return windows_from(files[::-1], tokenizer, n_windows, window, random.Random(1000 + seed))
 
 
 def passkey_items(tokenizer, lengths: list[int], positions: int | dict, seed: int = 0,

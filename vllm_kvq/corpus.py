@@ -55,6 +55,12 @@ def token_windows(tokenizer, n_windows: int, window: int, seed: int = 0,
     files = [f for f in speeches() if _year(f) >= min_year]
     rng = random.Random(seed)
     rng.shuffle(files)
+    return windows_from(files, tokenizer, n_windows, window, rng)
+
+
+def windows_from(files: list[Path], tokenizer, n_windows: int, window: int,
+                 rng: random.Random) -> list[list[int]]:
+    """One window of `window` tokens per file, in order, at an offset drawn from rng."""
     out = []
     for f in files:
         ids = tokenizer.encode(f.read_text(encoding="utf-8"), add_special_tokens=False)
