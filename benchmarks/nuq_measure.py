@@ -27,6 +27,7 @@ import torch
 
 from vllm_kvq import reference as ref
 from vllm_kvq.formats import Codec, KVFormat, parse_format
+from vllm_kvq.tools.calibrate.normalize import codec_granularity, normalize
 
 # --- the model with a quantizing attention --------------------------------------------------
 STATE: dict = {"mode": None}
@@ -94,24 +95,10 @@ def load_model(model_dir):
 # --- codebooks ---------------------------------------------------------------------------------
 def normalized(x: torch.Tensor, codec: Codec) -> torch.Tensor:
     """Normalized values (x - zero) / scale of x [T, D] in the codec's scale groups,
-    outliers left out (as the quantizer computes them, fp16 scale and zero)."""
-    T, D = x.shape
-    st = x
-    if codec.outliers:
-        st = ref.outlier_stats(x, ref.select_outliers(x, codec.outliers))
-    if codec.granularity == "group":
-        g = st.reshape(T, D // codec.group, codec.group)
-    elif codec.granularity == "channel":
-        n = T // codec.group * codec.group
-        g = st[:n].reshape(n // codec.group, codec.group, D).transpose(1, 2)
-    else:
-        g = st
-    lo = torch.nan_to_num(g, nan=float("inf")).amin(-1, keepdim=True)
-    hi = torch.nan_to_num(g, nan=float("-inf")).amax(-1, keepdim=True)
-    scale = ref._fp16_round((hi - lo) / 2)
-    zero = ref._fp16_round((hi + lo) / 2)
-    ok = torch.isfinite(g) & (scale > 0)
-    return ((g - zero) / torch.where(scale > 0, scale, 1.0))[ok].clamp(-1, 1)
+    outliers left out (as the quantizer computes them, fp16 scale and zero): the
+    calibration's normalization (vllm_kvq.tools.calibrate.normalize), flattened."""
+    xn, _, _, valid = normalize(x[None, None], codec_granularity(codec), fp16_stats=True)
+    return xn[valid]
 
 
 def fit_levels(xn: torch.Tensor, bits: int, method: str) -> torch.Tensor:
@@ -143,7 +130,7 @@ def parse_spec(name: str) -> KVFormat:
 
 
 def fisher_levels(layer: int, side: str, codec: Codec) -> torch.Tensor:
-    from vllm_kvq.calibration import default_calibration_path, read_calibration
+    from vllm_kvq.codebook_file import default_calibration_path, read_calibration
     from vllm_kvq.config import _codebook
     from vllm_kvq.model_prep import default_model_dir
     if "cal" not in STATE:
@@ -169,13 +156,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
-    from vllm_kvq.calibration import default_corpus_windows
-    from vllm_kvq.compare import held_out_windows
     from vllm_kvq.model_prep import default_model_dir
+    from vllm_kvq.tools.corpus import calibration_windows, held_out_windows
 
     t0 = time.time()
     model, tok = load_model(default_model_dir())
-    train, _ = default_corpus_windows(tok, args.train, args.window, seed=0)
+    train, _ = calibration_windows(tok, args.train, args.window, seed=0)
     evalw = held_out_windows(tok, args.eval, args.window, seed=0)
     STATE.update(mode="capture", kv={})
     for ids in train:

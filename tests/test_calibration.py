@@ -7,9 +7,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm_kvq import calibration as C
-from vllm_kvq.calibration import (CALIBRATION_VERSION, CalibrationError,
-                                  default_calibration_path, load_calibration, read_calibration)
+from vllm_kvq.codebook_file import (CALIBRATION_VERSION, SHIPPED_DIR, SIDES, WEIGHTINGS,
+                                    CalibrationError, default_calibration_path,
+                                    load_calibration, read_calibration)
+from vllm_kvq.reference import uniform_levels
+from vllm_kvq.tools.calibrate import normalize as N
+from vllm_kvq.tools.calibrate.collect import OUTLIER_FRACTIONS, Accumulator
+from vllm_kvq.tools.calibrate.evaluate import evaluate, evaluation_markdown
+from vllm_kvq.tools.calibrate.hooks import load_model, set_hook
+from vllm_kvq.tools.calibrate.kmeans import weighted_kmeans_1d
 
 SMOL = dict(num_layers=30, num_kv_heads=3, head_dim=64)
 
@@ -24,7 +30,7 @@ def test_kmeans_finds_lloyd_max_levels_of_a_gaussian(k):
     sigma = 0.2
     x = torch.linspace(-1, 1, 8193, dtype=torch.float64)
     w = torch.exp(-x ** 2 / (2 * sigma ** 2))  # density on a grid = weights
-    levels = C.weighted_kmeans_1d(x, w, k)
+    levels = weighted_kmeans_1d(x, w, k)
     want = torch.tensor(LLOYD_MAX[k], dtype=torch.float64) * sigma
     want = torch.cat([-want.flip(0), want])
     assert torch.allclose(levels, want, atol=2e-3), (levels, want)
@@ -33,18 +39,18 @@ def test_kmeans_finds_lloyd_max_levels_of_a_gaussian(k):
 def test_kmeans_weights_pull_levels():
     # three clusters, two levels: the heavy cluster gets its own level
     x = torch.tensor([-0.9, -0.8, 0.0, 0.1, 0.8, 0.9], dtype=torch.float64)
-    light = C.weighted_kmeans_1d(x, torch.tensor([1, 1, 1, 1, 100, 100.]), 2)
+    light = weighted_kmeans_1d(x, torch.tensor([1, 1, 1, 1, 100, 100.]), 2)
     assert light[1] == pytest.approx(0.85, abs=1e-9)
     assert light[0] == pytest.approx(-0.4, abs=1e-9)  # mean of the four others
-    heavy = C.weighted_kmeans_1d(x, torch.tensor([100, 100, 1, 1, 1, 1.]), 2)
+    heavy = weighted_kmeans_1d(x, torch.tensor([100, 100, 1, 1, 1, 1.]), 2)
     assert heavy[0] == pytest.approx(-0.85, abs=1e-9)
     # unsorted input and zero weights are fine
     xz = torch.cat([x, torch.tensor([0.5], dtype=torch.float64)])
     wz = torch.tensor([1, 1, 1, 1, 100, 100, 0.])
     perm = torch.tensor([3, 0, 6, 5, 1, 4, 2])
-    assert torch.allclose(C.weighted_kmeans_1d(xz[perm], wz[perm], 2), light, atol=1e-12)
+    assert torch.allclose(weighted_kmeans_1d(xz[perm], wz[perm], 2), light, atol=1e-12)
     with pytest.raises(ValueError):
-        C.weighted_kmeans_1d(x, torch.zeros(6), 2)
+        weighted_kmeans_1d(x, torch.zeros(6), 2)
 
 
 def test_kmeans_is_the_global_optimum_on_small_sets():
@@ -61,7 +67,7 @@ def test_kmeans_is_the_global_optimum_on_small_sets():
             sum(float((w[a:b] * (x[a:b] - (w[a:b] * x[a:b]).sum() / w[a:b].sum()) ** 2).sum())
                 for a, b in zip((0,) + cuts, cuts + (n,)))
             for cuts in itertools.combinations(range(1, n), k - 1))
-        lv = C.weighted_kmeans_1d(x, w, k)
+        lv = weighted_kmeans_1d(x, w, k)
         got = float((w * (x[:, None] - lv).abs().min(1).values ** 2).sum())
         assert got == pytest.approx(best, rel=1e-9, abs=1e-12), trial
 
@@ -71,7 +77,7 @@ def test_kmeans_on_two_point_masses_keeps_the_ends():
     x = torch.linspace(-1, 1, 41, dtype=torch.float64)
     w = torch.full_like(x, 0.01)
     w[0] = w[-1] = 50.0
-    lv = C.weighted_kmeans_1d(x, w, 8)
+    lv = weighted_kmeans_1d(x, w, 8)
     assert lv[0] == pytest.approx(-1, abs=2e-3) and lv[-1] == pytest.approx(1, abs=2e-3)
 
 
@@ -80,25 +86,24 @@ def test_normalization_groups_match_the_spec():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, 70, 64, generator=g, dtype=torch.float64)
     # token: one head vector
-    xn, zero, scale, valid = C.normalize(C.to_groups(x, C.parse_granularity("token")),
-                                         C.parse_granularity("token"))
+    xn, zero, scale, valid = N.normalize(x, N.parse_granularity("token"))
     v = x[1, 2, 5]
     assert torch.allclose(zero[1, 2, 5, 0, 0], (v.max() + v.min()) / 2)
     assert torch.allclose(xn[1, 2, 5, 0], (v - (v.max() + v.min()) / 2) / ((v.max() - v.min()) / 2))
     assert valid.all() and xn.min() == -1 and xn.max() == 1
     # group32: channels 32..63 of one token
-    gr = C.parse_granularity("group32")
-    xn, _, _, _ = C.normalize(C.to_groups(x, gr), gr)
+    gr = N.parse_granularity("group32")
+    xn, _, _, _ = N.normalize(x, gr)
     v = x[0, 1, 7, 32:]
     assert torch.allclose(xn[0, 1, 7, 1], (v - (v.max() + v.min()) / 2) / ((v.max() - v.min()) / 2))
     # channel32: channel 9 over tokens 32..63, a partial tail (64..69) is left out
-    ch = C.parse_granularity("channel32")
-    xg = C.to_groups(x, ch)
+    ch = N.parse_granularity("channel32")
+    xg = N.to_groups(x, ch)
     assert xg.shape == (2, 3, 2, 64, 32)
-    xn, _, _, _ = C.normalize(xg, ch)
+    xn, _, _, _ = N.normalize(x, ch)
     v = x[1, 0, 32:64, 9]
     assert torch.allclose(xn[1, 0, 1, 9], (v - (v.max() + v.min()) / 2) / ((v.max() - v.min()) / 2))
-    back = C.from_groups(xg, ch, x)
+    back = N.from_groups(xg, ch, x)
     assert torch.equal(back, x)
 
 
@@ -106,15 +111,15 @@ def test_constant_groups_and_outliers_are_left_out():
     x = torch.randn(1, 1, 4, 64, dtype=torch.float64)
     x[0, 0, 1] = 3.0  # constant head vector
     x[0, 0, 2, 5] = 40.0  # one outlier
-    tok = C.parse_granularity("token")
-    _, _, _, valid = C.normalize(C.to_groups(x, tok), tok)
+    tok = N.parse_granularity("token")
+    _, _, _, valid = N.normalize(x, tok)
     assert not valid[0, 0, 1].any() and valid[0, 0, 2].all()
-    o1 = C.parse_granularity("token_o1")
-    xn, _, scale, valid = C.normalize(C.to_groups(x, o1), o1)
+    o1 = N.parse_granularity("token_o1")
+    xn, _, scale, valid = N.normalize(x, o1)
     assert not valid[0, 0, 2, 0, 5] and valid[0, 0, 2, 0].sum() == 63
     assert scale[0, 0, 2, 0, 0] < 5  # the outlier did not set the range
     # quantize-dequantize: the outlier and the constant vector come back exact
-    y = C.quantize_dequantize(x.float(), C.uniform_levels(3), "token_o1")
+    y = N.quantize_dequantize(x.float(), uniform_levels(3), "token_o1")
     assert y[0, 0, 2, 5] == 40.0 and torch.equal(y[0, 0, 1], x[0, 0, 1].float())
 
 
@@ -122,30 +127,30 @@ def test_quantize_dequantize_picks_the_nearest_level():
     x = torch.randn(1, 2, 64, 64)
     lv = torch.tensor([-1.0, -0.3, 0.1, 1.0])
     for gran in ("token", "group32", "channel32"):
-        g = C.parse_granularity(gran)
-        y = C.quantize_dequantize(x, lv, gran)
-        xn, zero, scale, _ = C.normalize(C.to_groups(x, g), g)
-        yn = (C.to_groups(y, g) - zero) / scale
+        g = N.parse_granularity(gran)
+        y = N.quantize_dequantize(x, lv, gran)
+        xn, zero, scale, _ = N.normalize(x, g)
+        yn = (N.to_groups(y, g) - zero) / scale
         best = lv[(xn[..., None] - lv).abs().argmin(-1)]
         assert torch.allclose(yn, best, atol=1e-5), gran
-        assert torch.allclose(C.quantize_dequantize(x, C.uniform_levels(8), gran), x,
+        assert torch.allclose(N.quantize_dequantize(x, uniform_levels(8), gran), x,
                               atol=float(scale.max()) / 255 + 1e-6)
 
 
 def test_granularity_names():
-    assert C.parse_granularity("group16") == C.Granularity("group16", "group", 16, 0)
-    assert C.parse_granularity("channel128").size == 128
+    assert N.parse_granularity("group16") == N.Granularity("group16", "group", 16, 0)
+    assert N.parse_granularity("channel128").size == 128
     for bad in ("tok", "group", "channel32_o1", "group0"):
         with pytest.raises(CalibrationError):
-            C.parse_granularity(bad)
+            N.parse_granularity(bad)
 
 
 # --- the file ---------------------------------------------------------------------------
 def make_calibration(num_layers=3, heads=2, head_dim=64, seed=0, grans=("token", "channel32")):
     g = torch.Generator().manual_seed(seed)
-    acc = C.Accumulator(num_layers, grans)
+    acc = Accumulator(num_layers, grans)
     for layer in range(num_layers):
-        for side in C.SIDES:
+        for side in SIDES:
             x = torch.randn(1, heads, 64, head_dim, generator=g) * (1 + layer)
             acc.add(layer, side, x, torch.randn(x.shape, generator=g))
     return acc.fit((2, 3), dict(model="tiny", model_type="llama", architecture="LlamaForCausalLM",
@@ -158,12 +163,12 @@ def test_fit_levels_sorted_in_range_and_thresholds(tmp_path):
         for side in "kv":
             for gran in ("token", "channel32"):
                 for bits in (2, 3):
-                    for wt in C.WEIGHTINGS:
+                    for wt in WEIGHTINGS:
                         lv = cal.levels(layer, side, bits, gran, weighting=wt)
                         assert lv.dtype == torch.float32 and lv.shape == (2 ** bits,)
                         assert (lv[1:] > lv[:-1]).all() and lv.min() >= -1 and lv.max() <= 1
             # layer l's values are scaled by 1+l: thresholds scale with them
-            t = [cal.outlier_threshold(layer, side, fraction=f) for f in C.OUTLIER_FRACTIONS]
+            t = [cal.outlier_threshold(layer, side, fraction=f) for f in OUTLIER_FRACTIONS]
             assert t == sorted(t, reverse=True)
             assert 2.0 * (1 + layer) < cal.outlier_threshold(layer, side) < 3.2 * (1 + layer)
     # N(0,1): |x| > 2.576 for 1% of values
@@ -234,7 +239,7 @@ def test_shipped_file_loads_for_the_default_model():
     from vllm_kvq.model_prep import MODEL_NAME, cache_root
 
     path = default_calibration_path(cache_root() / "models" / MODEL_NAME)
-    assert path is not None and path.is_file() and path.parent == C.SHIPPED_DIR
+    assert path is not None and path.is_file() and path.parent == SHIPPED_DIR
     assert path.stat().st_size < 200_000
     cal = load_calibration(path, model_type="llama", **SMOL)
     assert cal.meta["tokens"] >= 2048 and cal.meta["sensitivity"].startswith("fisher")
@@ -258,10 +263,10 @@ def test_shipped_file_is_package_data():
 
 
 def test_default_corpus_is_disjoint_from_evaluation_text():
-    from vllm_kvq.corpus import _year, speeches
+    from vllm_kvq.tools.corpus import TRAIN_YEARS, speech_year, speeches
 
-    assert C.TRAIN_YEARS[1] < 1990  # corpus.token_windows and compare.held_out_windows: >= 1990
-    assert sum(C.TRAIN_YEARS[0] <= _year(f) <= C.TRAIN_YEARS[1] for f in speeches()) >= 16
+    assert TRAIN_YEARS[1] < 1990  # corpus.token_windows and corpus.held_out_windows: >= 1990
+    assert sum(TRAIN_YEARS[0] <= speech_year(f) <= TRAIN_YEARS[1] for f in speeches()) >= 16
 
 
 # --- end to end -------------------------------------------------------------------------
@@ -289,7 +294,7 @@ def test_captured_keys_are_post_rope_and_gradients_are_exact(tiny_model):
     """The hook sees the cache's K (after RoPE) and V; the zero-leaf gradients are the
     gradient of the loss w.r.t. K and V (directional finite differences, float64)."""
     d, _ = tiny_model
-    model = C.load_model(str(d)).double()
+    model = load_model(str(d)).double()
     ids = torch.tensor([[5, 17, 300, 42, 9, 1000, 7, 3]])
     seen = {}
 
@@ -302,7 +307,7 @@ def test_captured_keys_are_post_rope_and_gradients_are_exact(tiny_model):
         seen[layer] = (k.detach(), v.detach(), zk, zv)
         return k + zk, v + zv
 
-    with C._set_hook(hook):
+    with set_hook(hook):
         loss_of(model(input_ids=ids)).backward()
     attn = model.model.layers[0].self_attn
     h = model.model.layers[0].input_layernorm(model.model.embed_tokens(ids))
@@ -320,7 +325,7 @@ def test_captured_keys_are_post_rope_and_gradients_are_exact(tiny_model):
             if l == layer:
                 kk, vv = (kk + eps * direction, vv) if side == 0 else (kk, vv + eps * direction)
             return kk, vv
-        with torch.no_grad(), C._set_hook(bump):
+        with torch.no_grad(), set_hook(bump):
             return loss_of(model(input_ids=ids)).item()
 
     for layer in (0, 1):  # layer 0's K and V reach the loss through layer 1 too
@@ -359,12 +364,12 @@ def test_cli_end_to_end_writes_a_loadable_file(tiny_model, tmp_path, capsys):
 
 def test_evaluate_runs_and_fp_levels_are_lossless(tiny_model):
     d, text = tiny_model
-    model = C.load_model(str(d))
+    model = load_model(str(d))
     cal = make_calibration(num_layers=2, heads=2, grans=("token",))
     ids = [list(range(100, 164))]
-    rows = C.evaluate(model, ids, cal, [dict(bits=3, k="token", v="token", levels="fisher"),
+    rows = evaluate(model, ids, cal, [dict(bits=3, k="token", v="token", levels="fisher"),
                                         dict(bits=3, k="token", v="token", levels="uniform")],
                       progress=False)
     assert rows[0]["ppl_change"] == 0 and len(rows) == 3
     assert all(r["mean_kl"] >= -1e-6 and math.isfinite(r["ppl"]) for r in rows)
-    assert "| 3 | token | token | fisher |" in C.evaluation_markdown(rows, 1, 64)
+    assert "| 3 | token | token | fisher |" in evaluation_markdown(rows, 1, 64)

@@ -11,7 +11,7 @@ import sys
 import pytest
 from conftest import run_engine as run
 
-from vllm_kvq import compare
+from vllm_kvq.tools.compare.scoring import score_quality
 from vllm_kvq.formats import parse_format
 
 pytestmark = pytest.mark.e2e
@@ -20,12 +20,12 @@ FAULT = json.dumps({"env": {"VLLM_KVQ_FAULT": "clobber_cache"}})
 
 
 def kl(method, extra="{}"):
-    return compare.score_quality(run("quality", "bf16"), run("quality", method, extra))
+    return score_quality(run("quality", "bf16"), run("quality", method, extra))
 
 
 def test_bf16_against_itself_real_run():
     base = run("quality", "bf16")
-    cmp = compare.score_quality(base, base)
+    cmp = score_quality(base, base)
     assert cmp["mean_kl"] == 0.0 and cmp["ppl"] == cmp["ppl_base"]
     assert cmp["positions"] >= 4000 and cmp["verdict"] == "near-lossless"
 

@@ -7,9 +7,11 @@ import random
 
 import pytest
 
-from vllm_kvq import compare
 from vllm_kvq.cli import build_parser
-from vllm_kvq.evaluate import compare_runs
+from vllm_kvq.tools.compare import children, cli, inputs, memory, report, scoring
+from vllm_kvq.tools.compare.plan import preset
+from vllm_kvq.tools.corpus import held_out_windows
+from vllm_kvq.tools.evaluate import compare_runs
 from vllm_kvq.formats import FormatError, parse_format
 
 SMOL = dict(layers=30, kv_heads=3, q_heads=9, head_dim=64, vocab=49152,
@@ -43,7 +45,7 @@ def test_bf16_against_itself_is_kl_zero_and_same_perplexity():
     assert cmp["mean_kl"] == 0.0
     assert cmp["ppl"] == cmp["ppl_base"] and cmp["ppl_change"] == 0.0
     assert cmp["agreement"] == 1.0 and cmp["greedy_identical"] == 1.0
-    scored = compare.score_quality(run, run)
+    scored = scoring.score_quality(run, run)
     assert scored["verdict"] == "near-lossless"
     assert scored["greedy_token_agreement"] == 1.0
 
@@ -51,23 +53,23 @@ def test_bf16_against_itself_is_kl_zero_and_same_perplexity():
 def test_verdicts_order_noise_and_flag_garbage():
     base = fake_run("bf16")
     small, big = fake_run("a", 1, noise=0.05), fake_run("b", 1, noise=0.8)
-    kl_small = compare.score_quality(base, small)["mean_kl"]
-    kl_big = compare.score_quality(base, big)["mean_kl"]
+    kl_small = scoring.score_quality(base, small)["mean_kl"]
+    kl_big = scoring.score_quality(base, big)["mean_kl"]
     assert 0 < kl_small < kl_big
-    bad = compare.score_quality(base, fake_run("c", 2, garbage=True))
+    bad = scoring.score_quality(base, fake_run("c", 2, garbage=True))
     assert bad["verdict"] == "broken", bad
 
 
 def test_greedy_token_agreement_counts_until_first_difference():
-    assert compare.greedy_token_agreement([[1, 2, 3, 4]], [[1, 2, 9, 4]]) == 0.5
-    assert compare.greedy_token_agreement([[1, 2], [3, 4]], [[1, 2], [0, 4]]) == 0.5
+    assert scoring.greedy_token_agreement([[1, 2, 3, 4]], [[1, 2, 9, 4]]) == 0.5
+    assert scoring.greedy_token_agreement([[1, 2], [3, 4]], [[1, 2], [0, 4]]) == 0.5
 
 
 @pytest.mark.parametrize("method", ["bf16", "int8_token", "int4_group32", "int2_token",
                                     "kivi2", "int4_group32_r128"])
 def test_memory_row_is_the_page_layout(method):
     fmt = parse_format(method)
-    row = compare.memory_row(method, SMOL, "float32")
+    row = memory.memory_row(method, SMOL, "float32")
     assert row["bytes_per_token_head"] == fmt.layout(64, 128).token_bytes
     assert row["bytes_per_token_model"] == row["bytes_per_token_head"] * 30 * 3
     assert row["ratio_vs_bf16"] == pytest.approx(fmt.ratio_vs_bf16(64, 128))
@@ -79,19 +81,19 @@ def test_memory_row_is_the_page_layout(method):
 
 
 def test_memory_row_of_vllm_peers():
-    assert compare.memory_row("vllm", SMOL, "float32")["bytes_per_token_head"] == 512
-    assert compare.memory_row("vllm", SMOL, "bfloat16")["ratio_vs_bf16"] == 1.0
-    assert compare.memory_row("vllm-fp8", SMOL, "float32")["ratio_vs_bf16"] == 2.0
+    assert memory.memory_row("vllm", SMOL, "float32")["bytes_per_token_head"] == 512
+    assert memory.memory_row("vllm", SMOL, "bfloat16")["ratio_vs_bf16"] == 1.0
+    assert memory.memory_row("vllm-fp8", SMOL, "float32")["ratio_vs_bf16"] == 2.0
 
 
 def test_error_line_finds_the_root_cause():
     log = ("(Worker pid=1) ERROR x] NotImplementedError: something specific\n"
            "(EngineCore pid=2) ERROR y] RuntimeError: Engine core initialization failed. "
            "See root cause above.\n")
-    assert compare._error_line(log) == "NotImplementedError: something specific"
+    assert children.error_line(log) == "NotImplementedError: something specific"
     log2 = ("RuntimeError: Worker failed with error 'FP8 KV cache on CPU requires x86 with "
             "AVX-512 or AMX.', please check the stack trace above for the root cause\n")
-    assert compare._error_line(log2) == "FP8 KV cache on CPU requires x86 with AVX-512 or AMX."
+    assert children.error_line(log2) == "FP8 KV cache on CPU requires x86 with AVX-512 or AMX."
 
 
 def synthetic_result(tmp_path):
@@ -109,7 +111,7 @@ def synthetic_result(tmp_path):
         runs[m] = r
     bad = fake_run("int4_group32+clobber_cache", 9, garbage=True)
     runs["int4_group32+clobber_cache"] = bad
-    plan = compare.preset(True, None, str(tmp_path / "SmolLM2"))
+    plan = preset(True, None, str(tmp_path / "SmolLM2"))
     kernel = {"shape": [9, 3, 64], "threads": 1, "simd_path": "avx2", "vllm_op": True,
               "rows": [{"batch": 1, "context": c, "ms": {"vllm": 0.1, "bf16": 0.12,
                                                          "int4_group32": 0.08}}
@@ -117,7 +119,7 @@ def synthetic_result(tmp_path):
     methods = ["bf16", "int4_group32", "kivi2", "vllm", "vllm-fp8",
                "int4_group32+clobber_cache"]
     failures = {"vllm-fp8": "FP8 KV cache on CPU requires x86 with AVX-512 or AMX."}
-    return compare.assemble(plan, SMOL, methods, runs, failures, kernel, {})
+    return report.assemble(plan, SMOL, methods, runs, failures, kernel, {})
 
 
 def test_report_tables_json_and_plots(tmp_path):
@@ -129,7 +131,7 @@ def test_report_tables_json_and_plots(tmp_path):
     assert rows["kivi2"]["speed_ratio"][0]["decode_cpu"]["4"] == pytest.approx(1 / 3)
     assert rows["int4_group32+clobber_cache"]["quality"]["verdict"] == "broken"
     assert rows["vllm-fp8"]["unavailable"].startswith("FP8 KV cache on CPU")
-    files = compare.write_outputs(result, tmp_path, "vllm-kvq compare --quick")
+    files = report.write_outputs(result, tmp_path, "vllm-kvq compare --quick")
     md = files["report"].read_text()
     for needle in ("## Memory", "## Quality", "## Speed", "## Attention kernel alone",
                    "`kivi2`", "unavailable: FP8 KV cache", "broken", "vllm-kvq compare --quick",
@@ -144,7 +146,7 @@ def test_report_tables_json_and_plots(tmp_path):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10000
     # the report can be rewritten from results.json alone
     (tmp_path / "report.md").unlink()
-    assert compare.main(["report", str(tmp_path)]) == 0
+    assert cli.main(["report", str(tmp_path)]) == 0
     assert (tmp_path / "report.md").read_text() == md
 
 
@@ -156,18 +158,18 @@ def test_cli_has_compare_and_checks_methods_before_any_engine(tmp_path):
         "hidden_size": 576, "vocab_size": 49152, "max_position_embeddings": 8192}))
     args = build_parser().parse_args(["compare", str(model), "--quick", "--methods",
                                       "int4_group32,vllm", "--batches", "1,32"])
-    plan = compare.plan_from_args(args)
+    plan = cli.plan_from_args(args)
     assert plan.methods == ["int4_group32", "vllm"]
     assert plan.contexts == [512, 2048] and plan.max_num_seqs == 32
     assert plan.max_model_len <= 8192
-    full = compare.plan_from_args(build_parser().parse_args(["compare", str(model)]))
+    full = cli.plan_from_args(build_parser().parse_args(["compare", str(model)]))
     assert full.contexts == [512, 2048, 8000] and "vllm-fp8" in full.methods
     assert full.max_model_len <= 8192
     with pytest.raises(FormatError):
-        compare.plan_from_args(build_parser().parse_args(
+        cli.plan_from_args(build_parser().parse_args(
             ["compare", str(model), "--methods", "int5_group32"]))
     with pytest.raises(SystemExit):
-        compare.plan_from_args(build_parser().parse_args(["compare", str(tmp_path / "nope")]))
+        cli.plan_from_args(build_parser().parse_args(["compare", str(tmp_path / "nope")]))
 
 
 @pytest.fixture(scope="module")
@@ -179,9 +181,9 @@ def tokenizer():
 
 
 def test_passkey_prompts_have_exact_lengths_and_one_key(tokenizer):
-    items = compare.passkey_items(tokenizer, [1024, 2048], 3, seed=0)
+    items = inputs.passkey_items(tokenizer, [1024, 2048], 3, seed=0)
     assert [it["length"] for it in items] == [1024] * 3 + [2048] * 3
-    assert items == compare.passkey_items(tokenizer, [1024, 2048], 3, seed=0)  # seeded
+    assert items == inputs.passkey_items(tokenizer, [1024, 2048], 3, seed=0)  # seeded
     depths = [it["depth"] for it in items[:3]]
     assert depths == sorted(depths) and 0 < depths[0] and depths[-1] < 1
     for it in items:
@@ -194,9 +196,9 @@ def test_passkey_prompts_have_exact_lengths_and_one_key(tokenizer):
 
 
 def test_held_out_windows_are_not_the_tests_windows(tokenizer):
-    from vllm_kvq.corpus import token_windows
+    from vllm_kvq.tools.corpus import token_windows
 
-    held = compare.held_out_windows(tokenizer, 3, 512)
+    held = held_out_windows(tokenizer, 3, 512)
     tests = token_windows(tokenizer, 4, 1024, 0)
     assert all(len(w) == 512 for w in held) and len({tuple(w) for w in held}) == 3
     grams = lambda w: set(zip(*(w[i:] for i in range(8))))  # noqa: E731

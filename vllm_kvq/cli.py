@@ -1,4 +1,5 @@
-"""`vllm-kvq` command line: formats, serve, compare (and, as it lands, calibrate)."""
+"""`vllm-kvq` command line: formats, serve (the serving path), compare and calibrate (tools,
+vllm_kvq/tools/, imported only by their subcommands' parsers and runs)."""
 from __future__ import annotations
 
 import argparse
@@ -142,12 +143,13 @@ def vllm_main() -> None:
 
 
 def cmd_compare(args) -> int:
-    from vllm_kvq.compare import cmd_compare as run
+    from vllm_kvq.tools.compare.cli import cmd_compare as run
     return run(args, args.argv)
 
 
 def cmd_calibrate(args) -> int:
-    from vllm_kvq.calibration import CalibrationError, cmd_calibrate as run
+    from vllm_kvq.codebook_file import CalibrationError
+    from vllm_kvq.tools.calibrate.cli import cmd_calibrate as run
     try:
         return run(args)
     except CalibrationError as e:
@@ -174,12 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument(flag, dest=key, default="kivi2" if key == "method" else None,
                        type=int if key in ("bits", "group_size", "residual_tokens") else str)
     s.set_defaults(func=cmd_serve)
-    from vllm_kvq.compare import add_arguments as compare_arguments
+    from vllm_kvq.tools.compare.cli import add_arguments as compare_arguments
     c = sub.add_parser("compare", help="every method through the real vLLM engine, side by "
                        "side: memory, speed, quality (markdown, JSON, PNG plots)")
     compare_arguments(c)
     c.set_defaults(func=cmd_compare)
-    from vllm_kvq.calibration import add_arguments as calibrate_arguments
+    from vllm_kvq.tools.calibrate.cli import add_arguments as calibrate_arguments
     cal = sub.add_parser("calibrate", help="fit non-uniform (nuq) codebooks and outlier "
                          "thresholds for a model from its keys/values on calibration text")
     calibrate_arguments(cal)

@@ -208,7 +208,7 @@ def resolve_calibration(cfg: KVQConfig, model: str | None) -> KVQConfig:
         return cfg
     path = cfg.calibration
     if path is None:
-        from vllm_kvq.calibration import default_calibration_path
+        from vllm_kvq.codebook_file import default_calibration_path
         found = default_calibration_path(model) if model else None
         if found is None:
             raise FormatError(
@@ -250,7 +250,7 @@ def load_levels(cfg: KVQConfig, *, num_layers: int, num_kv_heads: int, head_dim:
 def _codebook(cal, layer: int, side: str, c):
     """The levels fitted for this codec's scale groups: with outlier slots, those fitted
     with outliers left out (granularity "token_o1", ...) when the file has them."""
-    from vllm_kvq.calibration import CalibrationError
+    from vllm_kvq.codebook_file import CalibrationError
     names = [c.gran_name]
     if c.outliers:
         names = [f"{c.gran_name}_o{c.outliers}", f"{c.gran_name}_o1", c.gran_name]
@@ -265,7 +265,7 @@ def _codebook(cal, layer: int, side: str, c):
 
 @lru_cache(maxsize=8)
 def _load_levels(path, kc, vc, num_layers, num_kv_heads, head_dim, model_type):
-    from vllm_kvq.calibration import CalibrationError, load_calibration
+    from vllm_kvq.codebook_file import CalibrationError, load_calibration
     from vllm_kvq.reference import check_levels
     try:
         cal = load_calibration(path, num_layers=num_layers, num_kv_heads=num_kv_heads,

@@ -1,0 +1,105 @@
+"""Decode attention timed alone on the CPU: a format through our kernel, and vLLM's bf16 CPU
+attention op (`torch.ops._C.cpu_attention_with_kv_cache`) on the same queries, K/V and
+block tables. Every sequence decodes one token at position ctx-1 of a paged cache (block
+size 128, shuffled block tables, distinct blocks per sequence); only BASE_TOKENS tokens are
+quantized, their pages repeated over the rest of the cache (distinct memory, real data).
+
+The compare tool's own copy of what benchmarks/bench_cpu_attention.py measures (that
+script prints a wider table; the methods are the same)."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from vllm_kvq import ops
+from vllm_kvq.formats import parse_format
+from vllm_kvq.reference import uniform_levels
+
+BLOCK = 128
+BASE_TOKENS = 2048
+
+
+def timeit(fn, min_time=0.4, min_reps=3, max_reps=50) -> float:
+    """ms per call: the minimum over repeats (the least disturbed run on a shared machine)."""
+    fn()  # warm-up
+    fn()
+    times = []
+    t_end = time.perf_counter() + min_time
+    while len(times) < min_reps or (time.perf_counter() < t_end and len(times) < max_reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times) * 1e3
+
+
+def block_tables(batch: int, ctx: int, gen):
+    nblk = (ctx + BLOCK - 1) // BLOCK
+    total = batch * nblk
+    return torch.randperm(total, generator=gen).to(torch.int32).reshape(batch, nblk), total
+
+
+def repeat_pages(cache, nbase: int) -> None:
+    """Repeat the first nbase blocks over the whole cache."""
+    for i in range(nbase, cache.shape[0], nbase):
+        m = min(nbase, cache.shape[0] - i)
+        cache[i:i + m].copy_(cache[:m])
+
+
+def time_ours(name: str, Hq, H, D, batch, ctx, gen, q, k, v) -> float:
+    """ms per decode call of format `name` (nuq: the uniform codebook; the speed of a
+    codebook does not depend on its levels)."""
+    fmt = parse_format(name)
+    lay = fmt.layout(D, BLOCK)
+    bt, total = block_tables(batch, ctx, gen)
+    cache = torch.empty(total, H, BLOCK, lay.token_bytes, dtype=torch.uint8)
+    nbase = min(total, BASE_TOKENS // BLOCK)
+    lv = {side: uniform_levels(c.bits) if c.encoding == "nuq" else None
+          for side, c in (("k_levels", fmt.key), ("v_levels", fmt.value))}
+    ops.write_cache(k[:nbase * BLOCK], v[:nbase * BLOCK], cache, torch.arange(nbase * BLOCK),
+                    fmt, **lv)
+    repeat_pages(cache, nbase)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    R = fmt.residual_chunk
+    extra = {}
+    if R > 1:  # decode at position ctx-1: positions >= floor(ctx/R)*R come from staging
+        p0 = ctx // R * R
+        n_st = ctx - p0
+        extra = dict(staging_k=torch.randn(batch * max(n_st, 1), H, D).to(torch.bfloat16),
+                     staging_v=torch.randn(batch * max(n_st, 1), H, D).to(torch.bfloat16),
+                     staging_start_loc=torch.arange(batch + 1, dtype=torch.int32) * n_st,
+                     staging_pos0=torch.full((batch,), p0, dtype=torch.int32))
+    out = torch.empty_like(q)
+    return timeit(lambda: ops.paged_attention(q, cache, bt, seq_lens, qsl, fmt, D ** -0.5,
+                                              out=out, **extra, **lv))
+
+
+def vllm_available() -> bool:
+    try:
+        from vllm.platforms.cpu import CpuPlatform
+        CpuPlatform.import_kernels()  # loads the right _C / _C_AVX512 / _C_AVX2 build
+        return hasattr(torch.ops._C, "cpu_attention_with_kv_cache")
+    except Exception as e:  # noqa: BLE001
+        print(f"vLLM CPU attention unavailable: {e!r}")
+        return False
+
+
+def time_vllm(Hq, H, D, batch, ctx, gen, q, k, v) -> float:
+    """ms per decode call of vLLM's bf16 CPU attention op."""
+    isa = "amx" if torch.cpu._is_amx_tile_supported() else "vec"  # block 128: a multiple of 32
+    bt, total = block_tables(batch, ctx, gen)
+    kv = torch.empty(total, H, BLOCK, 2 * D, dtype=torch.bfloat16)
+    kc, vc = kv.view(total, H, 2 * BLOCK, D).chunk(2, dim=2)
+    nbase = min(total, BASE_TOKENS // BLOCK)
+    torch.ops._C.cpu_attn_reshape_and_cache(k[:nbase * BLOCK], v[:nbase * BLOCK], kc, vc,
+                                            torch.arange(nbase * BLOCK), isa, 1.0, 1.0, "auto")
+    repeat_pages(kv, nbase)
+    seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
+    qsl = torch.arange(batch + 1, dtype=torch.int32)
+    meta = torch.ops._C.get_scheduler_metadata(batch, Hq, H, D, seq_lens, torch.bfloat16, qsl,
+                                               True, -1, isa, True, None, "auto")
+    out = torch.empty_like(q)
+    return timeit(lambda: torch.ops._C.cpu_attention_with_kv_cache(
+        q, kc, vc, out, qsl, seq_lens, D ** -0.5, True, None, -1, bt, 0.0, meta, None, None,
+        1.0, 1.0, "auto"))
