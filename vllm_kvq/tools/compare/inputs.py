@@ -1,14 +1,10 @@
-"""The inputs every engine gets, made once by the parent: held-out text windows, greedy
-prompts cut from them, and passkey prompts of exact lengths."""
+"""The inputs every engine gets (made once by the parent, run.make_inputs): greedy prompts
+cut from held-out text windows, and passkey prompts of exact lengths."""
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
 
 from vllm_kvq.tools.corpus import held_out_windows
-
-if TYPE_CHECKING:  # plan.py imports this module's constants
-    from vllm_kvq.tools.compare.plan import Plan
 
 
 PASSKEY_HEADER = ("There is an important info hidden inside a lot of irrelevant text. "
@@ -65,18 +61,3 @@ def greedy_prompts(windows: list[list[int]]) -> list[list[int]]:
     n = GREEDY_TEXT_PROMPT
     return [w[j * n:(j + 1) * n] for w in windows
             for j in range(min(GREEDY_PER_WINDOW, len(w) // n))]
-
-
-def make_inputs(plan: Plan) -> dict:
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(plan.model)
-    windows = (held_out_windows(tok, plan.quality_windows, plan.quality_window, plan.seed)
-               if plan.quality_windows else [])
-    return {"windows": windows,
-            "greedy_prompts": greedy_prompts(windows),
-            "passkey": passkey_items(tok, plan.passkey_lengths,
-                                     {n: plan.passkey_counts.get(str(n), plan.passkey_positions)
-                                      for n in plan.passkey_lengths},
-                                     plan.seed, plan.passkey_filler)
-            if plan.passkey_lengths else []}

@@ -7,11 +7,12 @@ import time
 from pathlib import Path
 
 from vllm_kvq.tools.compare.children import engine_cores, run_child
-from vllm_kvq.tools.compare.inputs import make_inputs
+from vllm_kvq.tools.compare.inputs import greedy_prompts, passkey_items
 from vllm_kvq.tools.compare.machine import cpu_has_fp8_kv
 from vllm_kvq.tools.compare.memory import model_dims
 from vllm_kvq.tools.compare.plan import BASELINE, FAULT_SUFFIX, KERNEL_SHAPE, Plan, base_method
 from vllm_kvq.tools.compare.report import assemble
+from vllm_kvq.tools.corpus import held_out_windows
 from vllm_kvq.tools.evaluate import VLLM_PEERS
 
 
@@ -29,6 +30,21 @@ def worker_spec(plan: Plan, method: str, inputs: dict) -> dict:
                       "decode_tokens": plan.decode_tokens, "repeats": plan.speed_repeats,
                       "timing": plan.speed_timing}
             if plan.contexts else None}
+
+
+def make_inputs(plan: Plan) -> dict:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(plan.model)
+    windows = (held_out_windows(tok, plan.quality_windows, plan.quality_window, plan.seed)
+               if plan.quality_windows else [])
+    return {"windows": windows,
+            "greedy_prompts": greedy_prompts(windows),
+            "passkey": passkey_items(tok, plan.passkey_lengths,
+                                     {n: plan.passkey_counts.get(str(n), plan.passkey_positions)
+                                      for n in plan.passkey_lengths},
+                                     plan.seed, plan.passkey_filler)
+            if plan.passkey_lengths else []}
 
 
 def run_compare(plan: Plan, out: Path) -> dict:
