@@ -10,6 +10,7 @@ import sys
 from vllm_kvq.evaluate import (GREEDY_PROMPTS, capacity, default_windows, engine_kwargs,
                                greedy, greedy_with_margins, run_method)
 from vllm_kvq.model_prep import ensure_default_model
+from vllm_kvq.tools.faults import install_from_env as install_fault_from_env
 
 # The quality windows: >= 4k tokens of real text (4 x 1024).
 N_WINDOWS, WINDOW = 4, 1024
@@ -37,11 +38,13 @@ def main():
     scenario, method, out = sys.argv[1:4]
     extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
     os.environ.update(extra.pop("env", {}))  # inherited by the engine's processes
+    install_fault_from_env()  # test-only faults (VLLM_KVQ_FAULT), patched into this process
+    n_windows = extra.pop("windows", N_WINDOWS)
     # These CPUs lack AVX512-BF16: a bf16 model computes ~3x slower than fp32. The cache
     # format (bf16 baseline, quantized ones) is independent of the model's dtype.
     extra.setdefault("dtype", "float32")
     model = str(ensure_default_model(verbose=False))
-    windows = default_windows(model, N_WINDOWS, WINDOW)
+    windows = default_windows(model, n_windows, WINDOW)
     if scenario == "quality":
         result = run_method(method, model, windows, **extra)
     else:

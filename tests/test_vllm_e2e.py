@@ -36,22 +36,24 @@ QUALITY = {
 
 
 NEAR_TIE_NATS = 0.05
+BF16_MODEL = json.dumps({"dtype": "bfloat16", "windows": 2})
 
 
 def test_our_bf16_is_vllm_bf16():
-    """With a bf16 model both store bf16 K/V: the same greedy tokens, up to a step where vLLM
-    itself is at a near-tie (top-1 and top-2 within 0.05 nats: the two kernels sum in a
-    different order, and bf16 rounding of the attention output may then flip the choice)."""
-    bf16_model = json.dumps({"dtype": "bfloat16"})
-    ours, theirs = run("short", "bf16", bf16_model), run("short", "vllm", bf16_model)
-    identical = 0
-    for a, b, margins in zip(ours["greedy"], theirs["greedy"], theirs["margins"]):
-        i = first_divergence(a, b)
-        if i is None:
-            identical += 1
-        else:
-            assert margins[i] < NEAR_TIE_NATS, (i, margins[i], a, b)
-    assert identical >= len(ours["greedy"]) - 1
+    """With a bf16 model both backends store the same bf16 K/V; only the kernels differ
+    (summation order; vLLM's own CPU kernels change with AVX512-BF16). Teacher-forced over
+    2 x 1024 tokens, the next-token distributions must agree up to that float noise.
+    Exact greedy tokens are not compared: they held on an AVX2 machine and flipped at a
+    0.125-nat margin on an AVX-512 one, so they prove nothing about the cache.
+    Measured: see BF16_PARITY below; a stale block or a wrong scale lands at KL ~1."""
+    ours, theirs = run("quality", "bf16", BF16_MODEL), run("quality", "vllm", BF16_MODEL)
+    cmp = compare_runs(theirs, ours)
+    print(json.dumps(cmp))
+    max_kl, min_agree, max_ppl = BF16_PARITY
+    assert cmp["positions"] >= 2000
+    assert cmp["mean_kl"] <= max_kl, cmp
+    assert cmp["agreement_confident"] >= min_agree, cmp
+    assert abs(cmp["ppl_change"]) <= max_ppl, cmp
     assert ours["capacity_tokens"] == pytest.approx(theirs["capacity_tokens"], rel=0.02)
 
 
@@ -109,13 +111,6 @@ def test_prefix_caching_does_not_change_outputs(method):
 CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 96, "max_num_seqs": 4}
 
 
-def test_small_prefill_chunks_do_not_change_outputs():
-    """Chunks of 96 tokens end mid-block and mid-group; the residual window carries over."""
-    plain = run("greedy", "kivi2", json.dumps({"enable_prefix_caching": False}))
-    chunked = run("greedy", "kivi2", json.dumps({"enable_prefix_caching": False, **CHUNKED}))
-    assert chunked["first"] == plain["first"]
-
-
 @pytest.mark.parametrize("method", ["int4_group32", "kivi2"])
 def test_small_prefill_chunks_read_the_same_cache(method):
     """Teacher-forced over 4 x 1024 tokens, prefilled in 96-token chunks vs one chunk per
@@ -127,7 +122,8 @@ def test_small_prefill_chunks_read_the_same_cache(method):
     vs bf16): bf16 4e-6 (its own KL vs vLLM's fp32 cache is 2e-5), int4_group32 0.0025 /
     0.027, kivi2 0.0013 / 0.082, confident agreement 100% for all three. A chunk that read
     a stale or misplaced block, or lost the residual window, lands at KL ~1 (see the
-    clobber test below); exact greedy identity is asserted for kivi2 above."""
+    clobber test below). Exact greedy identity is not asserted: it held on an AVX2 machine
+    and not on an AVX-512 one (float summation order differs), proving nothing more."""
     whole = run("quality", method)
     chunked = run("quality", method, json.dumps({"enable_prefix_caching": False, **CHUNKED}))
     cmp = compare_runs(whole, chunked)
@@ -160,7 +156,8 @@ PREEMPT_TOKENS = 160
 def test_quality_measurement_reads_the_stored_cache(method):
     """Teacher-forced log-probs come from one prefill; they must read K/V back from the
     stored cache as decode does. Clobbering the cache right after each write (a test-only
-    fault, VLLM_KVQ_FAULT) must therefore change them, for past tokens of the same step."""
+    fault, vllm_kvq.tools.faults) must therefore change them, for past tokens of the same
+    step."""
     good = run("quality", method)
     bad = run("quality", method, json.dumps({"env": {"VLLM_KVQ_FAULT": "clobber_cache"}}))
     cmp = compare_runs(good, bad)

@@ -18,7 +18,6 @@ Impl. Registered as AttentionBackendEnum.CUSTOM by vllm_kvq.plugin; selected wit
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -34,12 +33,13 @@ from vllm_kvq.config import KVQConfig, config_from_vllm, layer_index, load_level
 from vllm_kvq.formats import SUPPORTED_HEAD_SIZES
 from vllm_kvq.residual import ResidualSlots, StepPlan, plan_tensors, stage_and_write
 
-# customize_spec runs with no current vLLM config: the impl/builder record the
-# process's configuration here when they are built (one engine per process).
+# customize_spec runs with no current vLLM config: the impls and the builder record the
+# engine's config here when they are built (one engine per process).
 _ACTIVE: KVQConfig | None = None
 
 
 def active_config(vllm_config: VllmConfig | None = None) -> KVQConfig:
+    """The engine's kvq config (config_from_vllm parses it once per process)."""
     global _ACTIVE
     if vllm_config is not None:
         _ACTIVE = config_from_vllm(vllm_config)
@@ -194,15 +194,21 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
         self.kv_sharing_target_layer_name = None
         self.num_slots = residual_slot_count(vllm_config)
         self.pool: torch.Tensor | None = None  # [slots, 2, R, H, D] full-precision window
-        H = self.num_kv_heads
-        self.k_scale = torch.full((H,), self.config.k_scale, dtype=torch.float32)
-        # Test-only fault injection: proves measurements read the stored cache back.
-        self.fault = os.environ.get("VLLM_KVQ_FAULT", "")
-        if self.fault not in ("", "clobber_cache"):
-            raise ValueError(f"VLLM_KVQ_FAULT={self.fault!r}; allowed: clobber_cache")
-        self.v_scale = torch.full((H,), self.config.v_scale, dtype=torch.float32)
         self.all_levels = model_levels(self.config, vllm_config)
-        self.levels: tuple | None = None  # this layer's (k_levels, v_levels), set on first use
+        self.ops: ops.LayerOps | None = None  # this layer's kernels, bound on its first step
+
+    def _bind(self, layer: AttentionLayer, device) -> ops.LayerOps:
+        """Resolve this layer's kernels once: codebooks (by layer index), static scales."""
+        kl = vl = None
+        if self.all_levels:
+            idx = layer_index(layer.layer_name)
+            if idx >= len(self.all_levels):
+                raise ValueError(f"vllm-kvq: layer {layer.layer_name!r} has index {idx}, "
+                                 f"the calibration covers {len(self.all_levels)} layers")
+            kl, vl = self.all_levels[idx]
+        return ops.LayerOps(self.fmt, self.num_kv_heads, self.head_size, device,
+                            k_scale=self.config.k_scale, v_scale=self.config.v_scale,
+                            k_levels=kl, v_levels=vl)
 
     def _residual_pool(self, key: torch.Tensor) -> torch.Tensor:
         if self.pool is None:
@@ -220,36 +226,20 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
         if attn_metadata is None:  # profiling / warm-up run
             return output
         md = attn_metadata
+        lops = self.ops
+        if lops is None:
+            lops = self.ops = self._bind(layer, query.device)
         n = md.num_actual_tokens
-        q, k, v = query[:n], key[:n], value[:n]
-        if self.k_scale.device != query.device:
-            self.k_scale, self.v_scale = self.k_scale.to(query.device), self.v_scale.to(query.device)
-        if self.levels is None:
-            if self.all_levels:
-                idx = layer_index(layer.layer_name)
-                if idx >= len(self.all_levels):
-                    raise ValueError(f"vllm-kvq: layer {layer.layer_name!r} has index {idx}, "
-                                     f"the calibration covers {len(self.all_levels)} layers")
-                self.levels = tuple(None if t is None else t.to(query.device)
-                                    for t in self.all_levels[idx])
-            else:
-                self.levels = (None, None)
-        kl, vl = self.levels
-        staging = {}
+        k, v = key[:n], value[:n]
         if md.plan is None:
-            ops.write_cache(k, v, kv_cache, md.slot_mapping[:n], self.fmt,
-                            self.k_scale, self.v_scale, kl, vl)
+            lops.write(k, v, kv_cache, md.slot_mapping[:n])
+            lops.attend(query[:n], kv_cache, md.block_table, md.seq_lens, md.query_start_loc,
+                        self.scale, output[:n])
         else:
-            st_k, st_v = stage_and_write(
-                md, k, v, self._residual_pool(k),
-                lambda sk, sv, slots: ops.write_cache(sk, sv, kv_cache, slots, self.fmt,
-                                                      self.k_scale, self.v_scale, kl, vl))
-            staging = dict(staging_k=st_k, staging_v=st_v,
-                           staging_start_loc=md.staging_start_loc,
-                           staging_pos0=md.staging_pos0)
-        if self.fault == "clobber_cache":
-            kv_cache.fill_(0x3C)
-        ops.paged_attention(q, kv_cache, md.block_table, md.seq_lens, md.query_start_loc,
-                            self.fmt, self.scale, self.k_scale, self.v_scale,
-                            out=output[:n], k_levels=kl, v_levels=vl, **staging)
+            st_k, st_v = stage_and_write(md, k, v, self._residual_pool(k),
+                                         lambda sk, sv, slots: lops.write(sk, sv, kv_cache,
+                                                                          slots))
+            lops.attend(query[:n], kv_cache, md.block_table, md.seq_lens, md.query_start_loc,
+                        self.scale, output[:n], st_k, st_v, md.staging_start_loc,
+                        md.staging_pos0)
         return output

@@ -19,6 +19,7 @@ Keys (all optional but `method`):
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -191,14 +192,25 @@ def config_from_dict(d: dict | None, head_dim: int | None = None) -> KVQConfig:
 
 def config_from_vllm(vllm_config) -> KVQConfig:
     """The validated config of an engine: outlier slots for the model's head_dim, and for
-    nuq formats the calibration file resolved (kvq.calibration, else the model's default)."""
+    nuq formats the calibration file resolved (kvq.calibration, else the model's default).
+    Parsed once per process: the plugin hook, the builder, every layer's impl and the
+    server all ask for it, and get the same object back."""
     extra = getattr(vllm_config, "additional_config", None) or {}
     model = getattr(vllm_config, "model_config", None)
     head_dim = model.get_head_size() if model is not None else None
-    cfg = config_from_dict(extra.get(CONFIG_KEY), head_dim=head_dim)
-    if cfg.fmt.needs_levels and model is not None:
-        cfg = resolve_calibration(cfg, model.model)
+    d = extra.get(CONFIG_KEY)
+    key = (json.dumps(d, sort_keys=True, default=repr), head_dim,
+           None if model is None else str(model.model))
+    cfg = _PARSED.get(key)
+    if cfg is None:
+        cfg = config_from_dict(d, head_dim=head_dim)
+        if cfg.fmt.needs_levels and model is not None:
+            cfg = resolve_calibration(cfg, model.model)
+        _PARSED[key] = cfg
     return cfg
+
+
+_PARSED: dict[tuple, KVQConfig] = {}
 
 
 def resolve_calibration(cfg: KVQConfig, model: str | None) -> KVQConfig:

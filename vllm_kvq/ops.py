@@ -7,6 +7,10 @@ present) are done again by the C++ ops, also before they write anything.
 
 Semantics are those of vllm_kvq/reference.py (write_cache, paged_attention).
 
+The serving path does not call these per layer: `LayerOps` resolves and checks a layer's
+format, static scales and codebooks once, and its `write` / `attend` are the extension ops
+and nothing else (the C++ TORCH_CHECKs stay the guard of every call).
+
 nuq codecs need their layer's codebooks: k_levels / v_levels, float32 [2^bits] ascending in
 [-1, 1] (vllm_kvq.calibration.Calibration.levels); other codecs take none.
 """
@@ -284,3 +288,59 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
                            softmax_scale, fmt.key.as_ints(), fmt.value.as_ints(), ks, vs, kl,
                            vl)
     return out
+
+
+class LayerOps:
+    """One attention layer's kernels with everything but the step's tensors resolved once.
+
+    Built once per layer (the backend's Impl, on its first step, when the device is known):
+    the format is checked for this head size, the codec ints, static scales and nuq
+    codebooks are prepared on the device. Per call nothing is validated or converted in
+    Python (no host syncs, no lists): `write` and `attend` are the extension ops, whose
+    C++ checks still reject what does not fit (block ids, slot groups, staging rows).
+    """
+
+    def __init__(self, fmt: KVFormat, num_kv_heads: int, head_dim: int, device,
+                 k_scale=None, v_scale=None, k_levels=None, v_levels=None):
+        if head_dim not in SUPPORTED_HEAD_SIZES:
+            _fail(f"head_dim={head_dim} is not allowed; allowed: "
+                  f"{', '.join(map(str, SUPPORTED_HEAD_SIZES))}")
+        _check_codec(fmt)
+        self.fmt = fmt
+        self.residual_chunk = fmt.residual_chunk
+        self.k_codec, self.v_codec = fmt.key.as_ints(), fmt.value.as_ints()
+        H = num_kv_heads
+        self.k_scale = _static_scales(k_scale, fmt.key, H, "k_scale", device)
+        self.v_scale = _static_scales(v_scale, fmt.value, H, "v_scale", device)
+        self.k_levels = _levels(k_levels, fmt.key, "k_levels", fmt, device)
+        self.v_levels = _levels(v_levels, fmt.value, "v_levels", fmt, device)
+        # R == 1 reads no staging: the kernel only looks at these when staging_k has rows.
+        self._no_rows = torch.empty(0, dtype=torch.int32, device=device)
+        self._no_staging: dict = {}
+        self._ops = _ops()
+
+    def write(self, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
+              slot_mapping: torch.Tensor) -> None:
+        """Quantize key/value [N, H, D] into their slots (N = len(slot_mapping))."""
+        self._ops.write_cache(key, value, cache, slot_mapping, self.k_codec, self.v_codec,
+                              self.k_scale, self.v_scale, self.k_levels, self.v_levels)
+
+    def attend(self, query: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
+               seq_lens: torch.Tensor, query_start_loc: torch.Tensor, softmax_scale: float,
+               out: torch.Tensor, staging_k: torch.Tensor | None = None,
+               staging_v: torch.Tensor | None = None,
+               staging_start_loc: torch.Tensor | None = None,
+               staging_pos0: torch.Tensor | None = None) -> torch.Tensor:
+        """paged_attention's semantics; out [T, Hq, D] is written in place."""
+        if staging_k is None:
+            staging_k = self._no_staging.get(query.dtype)
+            if staging_k is None:
+                staging_k = self._no_staging.setdefault(query.dtype, torch.empty(
+                    0, cache.shape[1], query.shape[2], dtype=query.dtype, device=query.device))
+            staging_v, staging_start_loc, staging_pos0 = staging_k, self._no_rows, self._no_rows
+        self._ops.paged_attention(out, query, cache, block_table, seq_lens, query_start_loc,
+                                  staging_k, staging_v, staging_start_loc, staging_pos0,
+                                  self.residual_chunk, softmax_scale, self.k_codec,
+                                  self.v_codec, self.k_scale, self.v_scale, self.k_levels,
+                                  self.v_levels)
+        return out

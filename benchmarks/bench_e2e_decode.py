@@ -1,0 +1,147 @@
+"""End-to-end decode and prefill speed through real vLLM: each method vs vLLM's own backend.
+
+Every method runs in its own engine process (the same model, prompts and budget): the
+prompts are prefilled once (timed: prefill), then served again from the prefix cache with
+N new tokens (timed: decode, minus the time of the same cached request with 1 token), best
+of --repeats. Ratios are to vLLM's own CPU backend ("vllm") from the same run.
+
+  python benchmarks/bench_e2e_decode.py [--methods vllm,bf16,int4_group32,kivi2]
+      [--seqs 4] [--prompt-len 4096] [--new-tokens 32] [--dtype bfloat16] [--profile kivi2]
+
+--profile METHOD additionally runs that method in-process under torch.profiler for the
+decode part and prints the top operators by self CPU time (the step breakdown).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import platform
+import time
+
+DEFAULT_METHODS = "vllm,bf16,int8_token,int4_group32,kivi2,nuq3"
+
+
+def _prompts(model: str, seqs: int, prompt_len: int) -> list[list[int]]:
+    from vllm_kvq.evaluate import default_windows
+    return default_windows(model, seqs, prompt_len)
+
+
+def _engine(method: str, model: str, args):
+    from vllm import LLM
+
+    from vllm_kvq.evaluate import engine_kwargs
+
+    max_len = args.prompt_len + args.new_tokens + 16
+    budget = int(args.budget_mib) << 20
+    return LLM(**engine_kwargs(method, model, budget, max_len, dtype=args.dtype,
+                               enable_prefix_caching=True, max_num_seqs=args.seqs,
+                               max_num_batched_tokens=max(2048, args.prompt_len)))
+
+
+def _measure(llm, prompts, args) -> dict:
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    reqs = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+
+    def run(n):
+        sp = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = llm.generate(reqs, sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        assert all(len(o.outputs[0].token_ids) == n for o in outs)
+        return dt
+
+    prefill = run(1)  # cold: the whole prompts
+    one, full = [], []
+    for _ in range(args.repeats):
+        one.append(run(1))          # prefix-cached: ~one token recomputed per prompt
+        full.append(run(1 + args.new_tokens))
+    decode_s = max(min(full) - min(one), 1e-9)
+    return {"prefill_s": prefill, "prefill_tok_s": len(prompts) * args.prompt_len / prefill,
+            "decode_tok_s": len(prompts) * args.new_tokens / decode_s,
+            "decode_ms_per_step": decode_s / args.new_tokens * 1e3}
+
+
+def _child(method: str, model: str, args, q) -> None:
+    try:
+        llm = _engine(method, model, args)
+        q.put({"method": method, **_measure(llm, _prompts(model, args.seqs, args.prompt_len),
+                                             args)})
+    except BaseException as e:  # noqa: BLE001 -- reported in the table
+        q.put({"method": method, "error": f"{type(e).__name__}: {e}"[:300]})
+
+
+def _profile(method: str, model: str, args) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the model runs in this process
+    import torch
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = _engine(method, model, args)
+    reqs = [TokensPrompt(prompt_token_ids=p) for p in _prompts(model, args.seqs,
+                                                                args.prompt_len)]
+    for n in (1, 1 + args.new_tokens):
+        sp = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
+        if n > 1:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+                llm.generate(reqs, sp, use_tqdm=False)
+            print(f"\n## step profile: {method}, {args.seqs} x {args.prompt_len} tokens, "
+                  f"{args.new_tokens} decode steps (self CPU time)\n")
+            print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        else:
+            llm.generate(reqs, sp, use_tqdm=False)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--methods", default=DEFAULT_METHODS)
+    ap.add_argument("--seqs", type=int, default=4)
+    ap.add_argument("--prompt-len", type=int, default=4096)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--budget-mib", type=int, default=2048)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--profile", default=None, metavar="METHOD")
+    ap.add_argument("--json", default=None, help="also write the rows here")
+    args = ap.parse_args(argv)
+    from vllm_kvq.model_prep import ensure_default_model
+    from vllm_kvq.ops import simd_path
+
+    model = args.model or str(ensure_default_model(verbose=False))
+    if args.profile:
+        _profile(args.profile, model, args)
+        return 0
+    ctx = mp.get_context("spawn")
+    rows = []
+    for m in args.methods.split(","):
+        q = ctx.Queue()
+        p = ctx.Process(target=_child, args=(m, model, args, q))
+        p.start()
+        rows.append(q.get())
+        p.join()
+    base = next((r for r in rows if r["method"] == "vllm" and "error" not in r), None)
+    print(f"\n# end to end, {args.seqs} x {args.prompt_len}-token prompts, {args.new_tokens} "
+          f"new tokens, model dtype {args.dtype}; machine: {platform.machine()}, "
+          f"{os.cpu_count()} cores, kvq SIMD path {simd_path()}\n")
+    print("| method | prefill s | prefill × vllm | decode tok/s | decode × vllm | ms/step |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['method']} | error: {r['error']} |||||")
+            continue
+        pr = base["prefill_s"] / r["prefill_s"] if base else float("nan")
+        dr = r["decode_tok_s"] / base["decode_tok_s"] if base else float("nan")
+        print(f"| {r['method']} | {r['prefill_s']:.1f} | {pr:.2f} | {r['decode_tok_s']:.1f} | "
+              f"{dr:.2f} | {r['decode_ms_per_step']:.0f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "simd": simd_path(), "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
