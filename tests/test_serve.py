@@ -17,8 +17,11 @@ from vllm_kvq.formats import FormatError
 
 pytestmark = pytest.mark.e2e
 API_KEY = "kvq-test-key"
-METHODS = ["fp8_e4m3", "int8_token", "int8_group32", "int4_group32", "kivi4", "kivi2",
-           "nuq3"]  # nuq3: the calibration shipped for the default model, found by itself
+# One server per kind of cache path: plain per-group int, a residual window (kivi2, also
+# the OpenAI-API test's server), and a nuq codebook format whose calibration, shipped for
+# the default model, is found by itself. Every method's engine path (quality, capacity) is
+# covered by tests/test_vllm_e2e.py; these prove the server wiring, started once each.
+METHODS = ["int4_group32", "kivi2", "nuq3"]
 
 
 def free_port() -> int:
@@ -65,47 +68,61 @@ def client(base: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0)
 
 
+@pytest.fixture(scope="module")
+def servers():
+    """method -> base URL; each server starts on first use and stops with the module."""
+    with contextlib.ExitStack() as stack:
+        started = {}
+
+        def get(method: str) -> str:
+            if method not in started:
+                started[method] = stack.enter_context(server(method))
+            return started[method]
+
+        yield get
+
+
 @pytest.mark.parametrize("method", METHODS)
-def test_every_method_serves_sensible_deterministic_text(method):
-    with server(method) as base:
-        c = client(base)
-        model = c.models.list().data[0].id
-        texts = [c.completions.create(model=model, prompt=GREEDY_PROMPTS[0], max_tokens=12,
-                                      temperature=0.0).choices[0].text for _ in range(2)]
-        assert "Paris" in texts[0] and texts[0] == texts[1], texts
+def test_every_method_serves_sensible_deterministic_text(method, servers):
+    base = servers(method)
+    c = client(base)
+    model = c.models.list().data[0].id
+    texts = [c.completions.create(model=model, prompt=GREEDY_PROMPTS[0], max_tokens=12,
+                                  temperature=0.0).choices[0].text for _ in range(2)]
+    assert "Paris" in texts[0] and texts[0] == texts[1], texts
 
 
-def test_openai_api_and_bad_input_on_a_quantized_cache():
-    with server("kivi2") as base:
-        c = client(base)
-        model = c.models.list().data[0].id
-        chat = c.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
-            max_tokens=16, temperature=0.0)
-        assert "Paris" in chat.choices[0].message.content
-        stream = c.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "Count to five."}],
-            max_tokens=16, temperature=0.0, stream=True)
-        pieces = [ch.choices[0].delta.content or "" for ch in stream if ch.choices]
-        assert len(pieces) > 3 and "".join(pieces).strip()
-        # bad input: the proper 4xx, and the server keeps serving
-        with pytest.raises(openai.AuthenticationError):
-            openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
-        with pytest.raises(openai.NotFoundError):
-            c.completions.create(model="no-such-model", prompt="hi", max_tokens=4)
-        with pytest.raises(openai.BadRequestError):
-            c.completions.create(model=model, prompt="hi", max_tokens=-1)
-        with pytest.raises(openai.BadRequestError):
-            c.completions.create(model=model, prompt="word " * 5000, max_tokens=4)
-        r = httpx.post(f"{base}/v1/completions", content=b"{not json",
-                       headers={"Authorization": f"Bearer {API_KEY}",
-                                "Content-Type": "application/json"})
-        assert 400 <= r.status_code < 500
-        metrics = httpx.get(f"{base}/metrics").text
-        assert "vllm:num_requests_running" in metrics
-        again = c.completions.create(model=model, prompt="The capital of France is",
-                                     max_tokens=8, temperature=0.0)
-        assert "Paris" in again.choices[0].text
+def test_openai_api_and_bad_input_on_a_quantized_cache(servers):
+    base = servers("kivi2")
+    c = client(base)
+    model = c.models.list().data[0].id
+    chat = c.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        max_tokens=16, temperature=0.0)
+    assert "Paris" in chat.choices[0].message.content
+    stream = c.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "Count to five."}],
+        max_tokens=16, temperature=0.0, stream=True)
+    pieces = [ch.choices[0].delta.content or "" for ch in stream if ch.choices]
+    assert len(pieces) > 3 and "".join(pieces).strip()
+    # bad input: the proper 4xx, and the server keeps serving
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.NotFoundError):
+        c.completions.create(model="no-such-model", prompt="hi", max_tokens=4)
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=model, prompt="hi", max_tokens=-1)
+    with pytest.raises(openai.BadRequestError):
+        c.completions.create(model=model, prompt="word " * 5000, max_tokens=4)
+    r = httpx.post(f"{base}/v1/completions", content=b"{not json",
+                   headers={"Authorization": f"Bearer {API_KEY}",
+                            "Content-Type": "application/json"})
+    assert 400 <= r.status_code < 500
+    metrics = httpx.get(f"{base}/metrics").text
+    assert "vllm:num_requests_running" in metrics
+    again = c.completions.create(model=model, prompt="The capital of France is",
+                                 max_tokens=8, temperature=0.0)
+    assert "Paris" in again.choices[0].text
 
 
 def test_serve_rejects_a_bad_method_before_vllm_starts():

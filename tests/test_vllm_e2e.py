@@ -37,6 +37,12 @@ QUALITY = {
 
 NEAR_TIE_NATS = 0.05
 BF16_MODEL = json.dumps({"dtype": "bfloat16", "windows": 2})
+# (max mean KL, min confident agreement, max |ppl change|) of our bf16 cache vs vLLM's,
+# bf16 model. Measured on an AVX-512 (VNNI, BF16) machine, 2 x 1024 SOTU tokens: KL
+# 0.00113 on our AVX-512 path and 0.00111 with KVQ_SIMD=avx2, 100% confident agreement
+# (1379 positions), ppl +0.08% / +0.13%; our two paths differ from each other by as much
+# (KL 0.00110): this is bf16 activation noise, not the cache.
+BF16_PARITY = (0.004, 0.995, 0.01)
 
 
 def test_our_bf16_is_vllm_bf16():

@@ -29,7 +29,8 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, Attentio
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from vllm_kvq import ops
-from vllm_kvq.config import KVQConfig, config_from_vllm, layer_index, load_levels
+from vllm_kvq.config import (KVQConfig, config_from_vllm, layer_index, model_levels,
+                             residual_slot_count)
 from vllm_kvq.formats import SUPPORTED_HEAD_SIZES
 from vllm_kvq.residual import ResidualSlots, StepPlan, plan_tensors, stage_and_write
 
@@ -46,24 +47,6 @@ def active_config(vllm_config: VllmConfig | None = None) -> KVQConfig:
     if _ACTIVE is None:
         _ACTIVE = config_from_vllm(get_current_vllm_config())
     return _ACTIVE
-
-
-def model_levels(config: KVQConfig, vllm_config: VllmConfig) -> list[tuple]:
-    """Per layer (k_levels, v_levels) of a nuq format, from its calibration file (loaded
-    once per process and checked against the model); [] for other formats."""
-    if not config.fmt.needs_levels:
-        return []
-    model = vllm_config.model_config
-    # all layers (layer names carry global indices, also under pipeline parallelism)
-    return load_levels(config, num_layers=model.get_total_num_hidden_layers(),
-                       num_kv_heads=model.get_total_num_kv_heads(),
-                       head_dim=model.get_head_size(),
-                       model_type=getattr(model.hf_config, "model_type", None))
-
-
-def residual_slot_count(vllm_config: VllmConfig) -> int:
-    # At most max_num_seqs sequences run at once; each holds one slot.
-    return vllm_config.scheduler_config.max_num_seqs
 
 
 class KVQAttentionBackend(AttentionBackend):

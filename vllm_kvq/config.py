@@ -296,3 +296,21 @@ def _load_levels(path, kc, vc, num_layers, num_kv_heads, head_dim, model_type):
     except (CalibrationError, ValueError) as e:
         raise FormatError(f"kvq.calibration={str(path)!r}: {e}") from None
     return out
+
+
+def model_levels(config: KVQConfig, vllm_config) -> list[tuple]:
+    """Per layer (k_levels, v_levels) of a nuq format, from its calibration file (loaded
+    once per process and checked against the model); [] for other formats."""
+    if not config.fmt.needs_levels:
+        return []
+    model = vllm_config.model_config
+    # all layers (layer names carry global indices, also under pipeline parallelism)
+    return load_levels(config, num_layers=model.get_total_num_hidden_layers(),
+                       num_kv_heads=model.get_total_num_kv_heads(),
+                       head_dim=model.get_head_size(),
+                       model_type=getattr(model.hf_config, "model_type", None))
+
+
+def residual_slot_count(vllm_config) -> int:
+    # At most max_num_seqs sequences run at once; each holds one slot.
+    return vllm_config.scheduler_config.max_num_seqs

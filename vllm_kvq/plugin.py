@@ -41,7 +41,8 @@ def register() -> None:
     _patch_platform(type(current_platform))
 
 
-def _uses_kvq(vllm_config) -> bool:
+def uses_kvq(vllm_config) -> bool:
+    """Whether this engine serves through vllm-kvq's backend."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     attn = getattr(vllm_config, "attention_config", None)
@@ -53,7 +54,7 @@ def validate_vllm_config(vllm_config) -> None:
     from vllm_kvq.config import config_from_vllm
     from vllm_kvq.formats import FormatError
 
-    if not _uses_kvq(vllm_config):
+    if not uses_kvq(vllm_config):
         return
     try:
         cfg = config_from_vllm(vllm_config)
@@ -66,12 +67,12 @@ def validate_vllm_config(vllm_config) -> None:
             cfg.fmt.check(model.get_head_size(), cache.block_size)
         if model is not None and cfg.fmt.needs_levels:
             # the calibration file must exist, match the model and hold the codebooks
-            from vllm_kvq.backend import model_levels
+            from vllm_kvq.config import model_levels
             model_levels(cfg, vllm_config)
     except FormatError as e:
         raise ValueError(f"vllm-kvq: {e}") from None
     if model is not None and cfg.fmt.residual_tokens and cache.kv_cache_memory_bytes:
-        from vllm_kvq.backend import residual_slot_count
+        from vllm_kvq.config import residual_slot_count
 
         layers = model.get_num_layers(vllm_config.parallel_config)
         heads = model.get_num_kv_heads(vllm_config.parallel_config)
@@ -81,7 +82,7 @@ def validate_vllm_config(vllm_config) -> None:
         # Idempotent: the platform hook runs again on the same config (in the engine core,
         # after the handshake); a budget that already carries our subtraction is left
         # alone, and only a budget not yet reduced is checked against the pool.
-        if getattr(cache, "_kvq_budget_after", None) != cache.kv_cache_memory_bytes:
+        if not residual_pool_taken(cache):
             if pool >= cache.kv_cache_memory_bytes:
                 raise ValueError(
                     f"vllm-kvq: the residual window ({cfg.fmt.residual_tokens} tokens x "
@@ -89,9 +90,21 @@ def validate_vllm_config(vllm_config) -> None:
                     f"more than the KV budget {cache.kv_cache_memory_bytes}; lower "
                     f"max_num_seqs or kvq.residual_tokens")
             cache.kv_cache_memory_bytes -= pool
-            object.__setattr__(cache, "_kvq_budget_after", cache.kv_cache_memory_bytes)
+            # marked on the config object itself: it travels (pickled) to the engine core
+            object.__setattr__(cache, _BUDGET_MARK, cache.kv_cache_memory_bytes)
             logger.info("vllm-kvq: %d bytes of the KV budget hold the residual window",
                         pool)
+
+
+# The KV budget after the residual pool was taken out, marked on vLLM's CacheConfig: the
+# hook runs again on the same (pickled) config in the engine core, and must not take it twice.
+_BUDGET_MARK = "_kvq_budget_after"
+
+
+def residual_pool_taken(cache_config) -> bool:
+    """Whether the residual window's pool was already taken out of this explicit budget."""
+    budget = cache_config.kv_cache_memory_bytes
+    return budget is not None and getattr(cache_config, _BUDGET_MARK, None) == budget
 
 
 def _patch_platform(platform_cls) -> None:

@@ -39,7 +39,7 @@ _registered: dict[str, Any] = {}
 
 def kv_summary(vllm_config) -> dict[str, Any]:
     """The active KV configuration with its exact sizes (the JSON of `GET /kvq/config`)."""
-    from vllm_kvq.plugin import _uses_kvq
+    from vllm_kvq.plugin import residual_pool_taken, uses_kvq
 
     model = vllm_config.model_config
     cache = vllm_config.cache_config
@@ -62,9 +62,8 @@ def kv_summary(vllm_config) -> dict[str, Any]:
         "kv_cache_memory_bytes": cache.kv_cache_memory_bytes,  # pages (after the pool)
         "max_num_seqs": vllm_config.scheduler_config.max_num_seqs,
     }
-    if _uses_kvq(vllm_config):
-        from vllm_kvq.backend import residual_slot_count
-        from vllm_kvq.config import config_from_vllm
+    if uses_kvq(vllm_config):
+        from vllm_kvq.config import config_from_vllm, residual_slot_count
 
         cfg = config_from_vllm(vllm_config)
         fmt = cfg.fmt
@@ -84,7 +83,7 @@ def kv_summary(vllm_config) -> dict[str, Any]:
             "residual_pool_bytes": residual_per_seq * residual_slot_count(vllm_config),
             "config": cfg.to_dict(),
         })
-        if getattr(cache, "_kvq_budget_after", None) is not None:  # plugin.py took it out
+        if residual_pool_taken(cache):  # plugin.py took it out of the explicit budget
             out["kv_budget_bytes"] = cache.kv_cache_memory_bytes + out["residual_pool_bytes"]
     else:
         dtype = cache.cache_dtype
