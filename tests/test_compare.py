@@ -1,7 +1,7 @@
 """`vllm-kvq compare` on real engines: the real model, real text, our backend.
 
 The quality runs are tests/e2e_driver.py's "quality" scenario (4 x 1024 tokens), shared
-through conftest.run_engine with tests/test_vllm_e2e.py: the same engine runs serve both.
+through conftest.run_engine with tests/test_engine_cache.py: the same engine runs serve both.
 The scoring, report and plots without engines are tested in tests/test_compare_report.py.
 """
 import json
@@ -15,7 +15,7 @@ from vllm_kvq.tools.compare.scoring import score_quality
 from vllm_kvq.formats import parse_format
 
 pytestmark = pytest.mark.e2e
-# the same extra JSON as tests/test_vllm_e2e.py, so the session's cached runs are shared
+# the same extra JSON as tests/test_engine_cache.py, so the session's cached runs are shared
 FAULT = json.dumps({"env": {"VLLM_KVQ_FAULT": "clobber_cache"}})
 
 

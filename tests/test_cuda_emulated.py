@@ -10,8 +10,16 @@ for scripts/gpu_check.py on a GPU host.
 
 Builds csrc/cuda/emu/emu_ops.cpp once (about a minute; cached in $KVQ_CACHE or
 ~/.cache/vllm-kvq). KVQ_SKIP_CUDA_EMU=1 skips this module.
+
+By default each test runs the cases that exercise distinct code paths: every codec kind
+(f16, bf16, e4m3, e5m2, int2/3/4/8) and scale granularity (tensor, head, token, group,
+channel; symmetric and not) once, GQA 4 and 16, head sizes 64/80/128/256, the residual
+window, one mixed batch, both partitioning extremes (about 1.5 minutes on 2 cores, build
+cached). The full grid (every format x head size; about 4-8 minutes):
+
+    KVQ_FULL_GRID=1 python -m pytest -q tests/test_cuda_emulated.py
 """
-import math
+import itertools
 import os
 
 import pytest
@@ -19,6 +27,7 @@ import torch
 
 from vllm_kvq import reference as ref
 from vllm_kvq.formats import EXAMPLE_NAMES, parse_format
+from vllm_kvq.tools.paged_attention_case import attention_case, static_scales
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -27,6 +36,21 @@ pytestmark = pytest.mark.skipif(os.environ.get("KVQ_SKIP_CUDA_EMU") == "1", reas
 EXTRA = ["int3_token", "int2_token", "fp8_e5m2_token", "int4_tensor_sym", "int8_head_sym",
          "fp8_e4m3_head", "int4_group16_sym", "int8_channel16_r16", "int4_channel16_sym_r32"]
 NAMES = list(EXAMPLE_NAMES) + EXTRA
+FULL_GRID = os.environ.get("KVQ_FULL_GRID") == "1"
+
+
+def cases(full, reduced):
+    """The full grid with KVQ_FULL_GRID=1, else `reduced` (which must be part of it)."""
+    full = list(full)
+    assert all(c in full for c in reduced), [c for c in reduced if c not in full]
+    return full if FULL_GRID else list(reduced)
+
+
+# One format per codec kind and scale granularity (tensor/head static, token, group,
+# channel; symmetric and asymmetric; int2/3/4/8, e4m3/e5m2, f16/bf16).
+KINDS = ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2_token", "fp8_e4m3_head", "int8_token",
+         "int4_group32", "int3_token", "int2_group32", "int4_tensor_sym", "int8_head_sym",
+         "int4_group16_sym", "kivi2", "int4_channel16_sym_r32"]
 
 
 @pytest.fixture(scope="module")
@@ -45,20 +69,10 @@ def _block(fmt):
     return 128 if fmt.residual_tokens > 32 else 32
 
 
-def _static(fmt, H, g):
-    out = []
-    for c in (fmt.key, fmt.value):
-        if c.granularity == "head":
-            out.append(torch.rand(H, generator=g) * 0.2 + 0.02)
-        elif c.granularity == "tensor" and c.encoding == "int":
-            out.append(torch.full((H,), 0.05))
-        else:
-            out.append(torch.ones(H))
-    return out
-
-
-@pytest.mark.parametrize("name", NAMES)
-@pytest.mark.parametrize("D", [64, 128, 80])
+@pytest.mark.parametrize("name,D", cases(
+    itertools.product(NAMES, [64, 128, 80]),
+    [(n, 128) for n in KINDS] + [("int4_group32", 64), ("kivi2", 64), ("int8_token", 80),
+                                 ("int4_group16_sym", 80)]))
 def test_write_cache_byte_identical(emu, name, D):
     fmt = parse_format(name)
     B = _block(fmt)
@@ -86,7 +100,7 @@ def test_write_cache_byte_identical(emu, name, D):
             v[6, 2, 9] = float("inf")
             k[7, 0, 1] = -float("inf")
         k, v = k.to(dt), v.to(dt)
-        ks, vs = _static(fmt, H, g)
+        ks, vs = static_scales(fmt, H, D)
         want = torch.zeros(nb, H, B, lay.token_bytes, dtype=torch.uint8)
         ref.write_cache(k, v, want, slots, fmt, lay, ks if fmt.key.static_scale else None,
                         vs if fmt.value.static_scale else None)
@@ -113,55 +127,16 @@ def test_write_cache_flags_broken_channel_groups(emu):
 
 
 def _case(fmt, D, Hq, H, B, qlens, ctx, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    lay = fmt.layout(D, B)
-    R = fmt.residual_chunk
-    S = len(qlens)
-    L = [c + q for c, q in zip(ctx, qlens)]
-    nblk = [(x + B - 1) // B for x in L]
-    nb = sum(nblk) + 2
-    cache = torch.randint(0, 256, (nb, H, B, lay.token_bytes), dtype=torch.uint8, generator=g)
-    perm = torch.randperm(nb, generator=g)
-    bt = torch.zeros(S, max(nblk), dtype=torch.int32)
-    ks, vs = _static(fmt, H, g)
-    kref = ks if fmt.key.static_scale else None
-    vref = vs if fmt.value.static_scale else None
-    used, Ks, Vs = 0, [], []
-    for s in range(S):
-        bt[s, :nblk[s]] = perm[used:used + nblk[s]].to(torch.int32)
-        used += nblk[s]
-        k = (torch.randn(L[s], H, D, generator=g) * 1.5).to(dtype)
-        v = torch.randn(L[s], H, D, generator=g).to(dtype)
-        Ks.append(k)
-        Vs.append(v)
-        Fw = L[s] // R * R
-        if Fw:
-            slots = torch.tensor([int(bt[s, j // B]) * B + j % B for j in range(Fw)])
-            ref.write_cache(k[:Fw], v[:Fw], cache, slots, fmt, lay, kref, vref)
-    sk, sv, ssl, sp0 = [], [], [0], []
-    for s in range(S):
-        pos0 = (L[s] - qlens[s] + 1) // R * R if R > 1 else L[s]
-        sp0.append(pos0)
-        sk.append(Ks[s][pos0:])
-        sv.append(Vs[s][pos0:])
-        ssl.append(ssl[-1] + L[s] - pos0)
-    sk = torch.cat(sk) if R > 1 else torch.zeros(0, H, D, dtype=dtype)
-    sv = torch.cat(sv) if R > 1 else torch.zeros(0, H, D, dtype=dtype)
-    q = torch.randn(sum(qlens), Hq, D, generator=g).to(dtype)
-    qsl = torch.tensor([0] + [int(x) for x in torch.tensor(qlens).cumsum(0)], dtype=torch.int32)
-    sl = torch.tensor(L, dtype=torch.int32)
-    ssl = torch.tensor(ssl, dtype=torch.int32)
-    sp0 = torch.tensor(sp0, dtype=torch.int32)
-    scale = 1 / math.sqrt(D)
-    want = ref.paged_attention(q, cache, bt, sl, qsl, fmt, lay, scale, kref, vref, sk, sv, ssl, sp0).float()
-    return (q, cache, bt, sl, qsl, sk, sv, ssl, sp0, R, scale, ks, vs), want
+    c = attention_case(fmt, D, Hq, H, B, qlens, ctx, dtype, seed, spare_blocks=2)
+    return c, c["expected"]
 
 
-def _run(emu, fmt, args, force_generic=False, part_tokens=0, num_sms=132):
-    q, cache, bt, sl, qsl, sk, sv, ssl, sp0, R, scale, ks, vs = args
-    out = torch.full_like(q, float("nan"))
-    emu.paged_attention(out, q, cache, bt, sl, qsl, sk, sv, ssl, sp0, R, scale, fmt.key.as_ints(),
-                        fmt.value.as_ints(), ks, vs, force_generic, part_tokens, num_sms)
+def _run(emu, fmt, c, force_generic=False, part_tokens=0, num_sms=132):
+    out = torch.full_like(c["q"], float("nan"))
+    emu.paged_attention(out, c["q"], c["cache"], c["bt"], c["sl"], c["qsl"], c["sk"], c["sv"],
+                        c["ssl"], c["sp0"], c["R"], c["scale"], fmt.key.as_ints(),
+                        fmt.value.as_ints(), c["ks"], c["vs"], force_generic, part_tokens,
+                        num_sms)
     return out.float()
 
 
@@ -170,7 +145,9 @@ def _tol(dtype, want):
     return (2 ** -7 if dtype == torch.bfloat16 else 2 ** -9) * max(1.0, float(want.abs().max()))
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", cases(NAMES, [
+    "bf16", "fp16", "fp8_e4m3", "fp8_e5m2_token", "int8_token", "int4_group32", "int3_token",
+    "int2_group32_r128", "kivi2", "int4_tensor_sym"]))
 def test_decode_batch_tensor_core_kernel(emu, name):
     """Decode steps only: split-KV partitions (64 tokens), staging slot, GQA 4."""
     fmt = parse_format(name)
@@ -181,9 +158,12 @@ def test_decode_batch_tensor_core_kernel(emu, name):
     assert (got - want).abs().max() <= _tol(torch.bfloat16, want)
 
 
-@pytest.mark.parametrize("name", ["bf16", "fp8_e4m3", "int8_token", "int4_group32", "kivi2", "int3_token",
-                                  "int2_group32_r128", "int8_channel32_r128"])
-@pytest.mark.parametrize("D", [64, 256])
+@pytest.mark.parametrize("name,D", cases(
+    itertools.product(["bf16", "fp8_e4m3", "int8_token", "int4_group32", "kivi2", "int3_token",
+                       "int2_group32_r128", "int8_channel32_r128"], [64, 256]),
+    # D=256: 16-bit and int8 kinds load V's codes after QK (registers), low-bit ones before
+    [("bf16", 256), ("int8_token", 256), ("int4_group32", 256), ("kivi2", 64),
+     ("fp8_e4m3", 64)]))
 def test_decode_head_sizes(emu, name, D):
     fmt = parse_format(name)
     args, want = _case(fmt, D, 16, 1, _block(fmt), [1, 1, 1], [500, 33, 130], torch.bfloat16, 2)
@@ -191,20 +171,21 @@ def test_decode_head_sizes(emu, name, D):
     assert (got - want).abs().max() <= _tol(torch.bfloat16, want)
 
 
-@pytest.mark.parametrize("name", ["int4_group32", "kivi2", "bf16"])
-@pytest.mark.parametrize("num_sms", [1, 132])
+@pytest.mark.parametrize("name,num_sms", cases(
+    itertools.product(["int4_group32", "kivi2", "bf16"], [1, 132]),
+    [("kivi2", 1), ("bf16", 132)]))
 def test_decode_auto_partitions_wide_block_table(emu, name, num_sms):
     """Partitioning from the batch shape, with a block_table much wider than the sequences
     (vLLM passes max_model_len / block_size columns); the extra entries are garbage."""
     fmt = parse_format(name)
-    (q, cache, bt, *rest), want = _case(fmt, 128, 8, 2, _block(fmt), [1, 1, 1], [1500, 40, 700],
-                                         torch.bfloat16, 5)
+    c, want = _case(fmt, 128, 8, 2, _block(fmt), [1, 1, 1], [1500, 40, 700], torch.bfloat16, 5)
+    bt = c["bt"]
     wide = torch.cat([bt, torch.full((bt.shape[0], 3 * bt.shape[1]), 1 << 30, dtype=torch.int32)], 1)
-    got = _run(emu, fmt, (q, cache, wide, *rest), num_sms=num_sms)
+    got = _run(emu, fmt, dict(c, bt=wide), num_sms=num_sms)
     assert (got - want).abs().max() <= _tol(torch.bfloat16, want)
 
 
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", cases(NAMES, ["kivi2"]))
 def test_mixed_batch(emu, name):
     """Prefill, chunked prefill and decodes in one batch (fp16): generic + decode kernels."""
     fmt = parse_format(name)
@@ -213,8 +194,9 @@ def test_mixed_batch(emu, name):
     assert (got - want).abs().max() <= _tol(torch.float16, want)
 
 
-@pytest.mark.parametrize("name", ["bf16", "int8_token", "int4_group32", "kivi2", "fp8_e4m3_token"])
-@pytest.mark.parametrize("D", [80, 128])
+@pytest.mark.parametrize("name,D", cases(
+    itertools.product(["bf16", "int8_token", "int4_group32", "kivi2", "fp8_e4m3_token"], [80, 128]),
+    [("bf16", 80), ("fp8_e4m3_token", 80), ("int4_group32", 128), ("kivi2", 128)]))
 def test_generic_kernel(emu, name, D):
     """The CUDA-core kernel alone (also the path for head sizes the decode kernel lacks)."""
     fmt = parse_format(name)

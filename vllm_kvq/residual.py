@@ -2,7 +2,7 @@
 
 Tokens are quantized into vLLM's pages in aligned chunks of R tokens (R divides the block
 size). Until its chunk is complete a token lives only in full precision, in a slot of a
-per-layer side pool [num_slots, 2, H, R, D] owned by the attention impl. A slot belongs to
+per-layer side pool [num_slots, 2, R, H, D] owned by the attention impl. A slot belongs to
 one running sequence; it is found again from the block holding the sequence's last token
 (the tail block of a running sequence is never shared). Nothing is read from the pages'
 own bytes to decide validity: reused blocks are not zeroed.

@@ -20,7 +20,7 @@ API_KEY = "kvq-test-key"
 # One server per kind of cache path: plain per-group int, a residual window (kivi2, also
 # the OpenAI-API test's server), and a nuq codebook format whose calibration, shipped for
 # the default model, is found by itself. Every method's engine path (quality, capacity) is
-# covered by tests/test_vllm_e2e.py; these prove the server wiring, started once each.
+# covered by tests/test_engine_cache.py; these prove the server wiring, started once each.
 METHODS = ["int4_group32", "kivi2", "nuq3"]
 
 
