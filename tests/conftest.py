@@ -6,6 +6,8 @@ import tempfile
 from functools import lru_cache
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).parent))  # tests import conftest's helpers
 DRIVER = Path(__file__).with_name("e2e_driver.py")
 E2E_DIR = Path(os.environ.get("KVQ_E2E_DIR") or tempfile.mkdtemp(prefix="kvq-e2e-"))
@@ -20,3 +22,22 @@ def run_engine(scenario: str, method: str, extra: str = "{}") -> dict:
     if proc.returncode:
         raise AssertionError(f"{scenario}/{method} {extra} failed:\n{proc.stderr[-6000:]}")
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="session")
+def servers():
+    """method -> base URL of a live `vllm-kvq serve` (tests/serve_process.py); each starts
+    on first use and stops at the end of the session, so test files share them."""
+    import contextlib
+
+    from serve_process import server
+
+    with contextlib.ExitStack() as stack:
+        started = {}
+
+        def get(method: str) -> str:
+            if method not in started:
+                started[method] = stack.enter_context(server(method))
+            return started[method]
+
+        yield get

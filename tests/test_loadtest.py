@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from test_openai_server import API_KEY, server
+from serve_process import API_KEY
 
 from vllm_kvq.formats import parse_format
 
@@ -30,9 +30,8 @@ def exe(name: str) -> str | None:
 
 
 @pytest.fixture(scope="module")
-def live():
-    with server(METHOD) as base:
-        yield base
+def live(servers):
+    return servers(METHOD)  # the same server as test_openai_server's int4_group32 one
 
 
 def test_short_locust_session_has_no_failures(live, tmp_path):
@@ -71,7 +70,7 @@ def test_kv_gauges_and_config_route(live):
     assert cfg["bits_per_value"] == pytest.approx(5.0)
     assert cfg["residual_tokens"] == 0
     assert cfg["capacity_tokens"] == cfg["num_blocks"] * cfg["block_size"] > 0
-    # the budget (256 MiB, see test_openai_server.server) is what sizes the pages
+    # the budget (256 MiB, see serve_process.server) is what sizes the pages
     assert cfg["num_blocks"] == (256 << 20) // (per_token * cfg["block_size"])
     metrics = httpx.get(f"{live}/metrics", timeout=10).text
     want = {"kvq:bits_per_value": 5.0, "kvq:bytes_per_token": 7200.0,

@@ -1,22 +1,15 @@
 """`vllm-kvq serve`: vLLM's own OpenAI server with our backend, talked to with `openai`."""
-import contextlib
-import os
-import shutil
-import socket
-import subprocess
-import sys
-import time
-
 import httpx
 import openai
 import pytest
+
+from serve_process import API_KEY
 
 from vllm_kvq.cli import serve_command
 from vllm_kvq.evaluate import GREEDY_PROMPTS
 from vllm_kvq.formats import FormatError
 
 pytestmark = pytest.mark.e2e
-API_KEY = "kvq-test-key"
 # One server per kind of cache path: plain per-group int, a residual window (kivi2, also
 # the OpenAI-API test's server), and a nuq codebook format whose calibration, shipped for
 # the default model, is found by itself. Every method's engine path (quality, capacity) is
@@ -24,62 +17,8 @@ API_KEY = "kvq-test-key"
 METHODS = ["int4_group32", "kivi2", "nuq3"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def server(method: str):
-    port = free_port()
-    exe = shutil.which("vllm-kvq") or os.path.join(os.path.dirname(sys.executable), "vllm-kvq")
-    cmd = [exe, "serve", "--kv-method", method, "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "2048",
-           "--kv-cache-memory-bytes", str(256 << 20), "--api-key", API_KEY, "--seed", "0"]
-    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kvq-serve-{method}.log"), "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 600
-        while True:
-            if proc.poll() is not None:
-                log.flush()
-                raise AssertionError(f"server exited {proc.returncode}: "
-                                     f"{open(log.name).read()[-4000:]}")
-            try:
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.time() < deadline, "server did not become healthy"
-            time.sleep(2)
-        yield base
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-
-
 def client(base: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def servers():
-    """method -> base URL; each server starts on first use and stops with the module."""
-    with contextlib.ExitStack() as stack:
-        started = {}
-
-        def get(method: str) -> str:
-            if method not in started:
-                started[method] = stack.enter_context(server(method))
-            return started[method]
-
-        yield get
 
 
 @pytest.mark.parametrize("method", METHODS)
