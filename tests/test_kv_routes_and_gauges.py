@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from vllm_kvq import cli
+from vllm_kvq.serve_defaults import MAX_BUDGET, MIN_BUDGET, with_defaults
 from vllm_kvq.serving import ROUTE, KVQEndpointPlugin, kv_summary
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 128
@@ -115,6 +116,34 @@ def test_serve_model_is_first_and_flags_pass_through(serve_argv, monkeypatch):
     argv = serve_argv("/my/model", "--kv-method", "kivi2", "--port", "2")
     assert argv[:2] == ["serve", "/my/model"] and argv[-2:] == ["--port", "2"]
     assert {"vllm_kvq", "vllm_kvq_routes"} <= set(os.environ["VLLM_PLUGINS"].split(","))
+
+
+def test_serve_defaults_hold_flag_by_flag(serve_argv, monkeypatch):
+    """One extra flag keeps every other default (16 sequences, a budget that fits)."""
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    argv = serve_argv("--port", "8011")
+    assert argv[argv.index("--max-num-seqs") + 1] == "16"
+    budget = int(argv[argv.index("--kv-cache-memory-bytes") + 1])
+    assert MIN_BUDGET <= budget <= MAX_BUDGET
+    argv = serve_argv("--max-num-seqs", "4", "--kv-cache-memory-bytes", "123456789")
+    assert argv.count("--max-num-seqs") == 1 and argv.count("--kv-cache-memory-bytes") == 1
+    assert "--kv-cache-memory-bytes=5" in serve_argv("--kv-cache-memory-bytes=5")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "2")
+    assert "--kv-cache-memory-bytes" not in serve_argv()
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE")
+    assert "--kv-cache-memory-bytes" not in serve_argv("--gpu-memory-utilization", "0.5")
+
+
+def test_serve_budget_fits_what_is_free():
+    gib = 1 << 30
+    # half of what is left after weights (x2) and the margin, in 64 MiB steps
+    flags, notes = with_defaults("/nonexistent", [], {}, available=12 * gib)
+    assert flags[flags.index("--kv-cache-memory-bytes") + 1] == str((12 - 1 - 2) * gib // 2)
+    assert "no KV budget given" in notes[0]
+    flags, _ = with_defaults("/nonexistent", [], {}, available=100 * gib)
+    assert flags[flags.index("--kv-cache-memory-bytes") + 1] == str(MAX_BUDGET)
+    with pytest.raises(ValueError, match="pass --kv-cache-memory-bytes"):
+        with_defaults("/nonexistent", [], {}, available=3 * gib)
 
 
 def test_vllm_main_reports_the_cpu_build_as_vllm(monkeypatch):

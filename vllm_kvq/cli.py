@@ -109,7 +109,19 @@ def cmd_serve(args, passthrough: list[str]) -> int:
     # The model, if given, comes first (`vllm-kvq serve MODEL --flags`): an argparse
     # positional would swallow the value of any vLLM flag it does not know (--host X).
     model = passthrough[0] if passthrough and not passthrough[0].startswith("-") else None
-    cmd = serve_command(model, kvq, passthrough[1:] if model else passthrough)
+    flags = passthrough[1:] if model else passthrough
+    if model is None:
+        from vllm_kvq.model_prep import ensure_default_model
+        model = str(ensure_default_model())
+    from vllm_kvq.serve_defaults import with_defaults
+    try:
+        flags, notes = with_defaults(model, flags, dict(os.environ))
+    except ValueError as e:  # not enough free memory for a default budget: say so, no trace
+        print(e, file=sys.stderr)
+        return 2
+    for line in notes:
+        print(line, file=sys.stderr, flush=True)
+    cmd = serve_command(model, kvq, flags)
     os.environ["VLLM_PLUGINS"] = serve_plugins(os.environ.get("VLLM_PLUGINS"))
     print(f"+ VLLM_PLUGINS={os.environ['VLLM_PLUGINS']} " + " ".join(cmd), file=sys.stderr,
           flush=True)

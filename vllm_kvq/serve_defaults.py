@@ -1,0 +1,62 @@
+"""`vllm-kvq serve`'s defaults, flag by flag: each holds unless the user passes that flag.
+
+vLLM's own CPU defaults suit a dedicated server, not a first try on a shared machine: with
+no KV budget its worker reserves --gpu-memory-utilization (0.92) of the NUMA node for the
+cache and refuses to start unless that much is free, and it schedules 256 sequences. Here:
+16 sequences, and when no budget is given (--kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE
+or --gpu-memory-utilization), half of what is free after the weights and a margin, at
+most MAX_BUDGET, said in one log line.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+DEFAULT_MAX_NUM_SEQS = 16
+MARGIN = 2 << 30          # left free for the server process, activations, the tokenizer
+MIN_BUDGET = 256 << 20
+MAX_BUDGET = 8 << 30
+BUDGET_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization")
+
+
+def has_flag(args: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def weights_bytes(model: str) -> int:
+    """Bytes of the model's weight files (a local folder), x2 in case they are loaded in
+    float32; 1 GiB when the model is not a local folder."""
+    files = [p for p in Path(model).glob("*") if p.suffix in (".safetensors", ".bin")]
+    return 2 * sum(p.stat().st_size for p in files) if files else 1 << 30
+
+
+def fitting_budget(available: int, weights: int) -> int:
+    """Half of what is free after the weights and the margin, in [MIN, MAX], 64 MiB steps."""
+    room = available - weights - MARGIN
+    if room < 2 * MIN_BUDGET:
+        raise ValueError(
+            f"vllm-kvq serve: only {available / 2**30:.1f} GiB of memory is available; the "
+            f"model needs ~{weights / 2**30:.1f} GiB plus a {MARGIN >> 30} GiB margin, which "
+            f"leaves less than {2 * MIN_BUDGET >> 20} MiB for the KV cache. Free memory or "
+            f"pass --kv-cache-memory-bytes N")
+    return max(MIN_BUDGET, min(MAX_BUDGET, room // 2)) >> 26 << 26
+
+
+def with_defaults(model: str, args: list[str], env: dict,
+                  available: int | None = None) -> tuple[list[str], list[str]]:
+    """(the missing defaults, then the user's vLLM flags; log lines saying what was chosen)."""
+    defaults, notes = [], []
+    if not has_flag(args, "--max-num-seqs"):
+        defaults += ["--max-num-seqs", str(DEFAULT_MAX_NUM_SEQS)]
+    if not any(has_flag(args, f) for f in BUDGET_FLAGS) and not env.get(
+            "VLLM_CPU_KVCACHE_SPACE"):
+        if available is None:
+            import psutil
+            available = psutil.virtual_memory().available
+        w = weights_bytes(model)
+        budget = fitting_budget(available, w)
+        defaults += ["--kv-cache-memory-bytes", str(budget)]
+        notes.append(f"vllm-kvq serve: no KV budget given; using {budget / 2**30:.2f} GiB "
+                     f"(half of the {available / 2**30:.1f} GiB available after ~"
+                     f"{w / 2**30:.1f} GiB of weights and a {MARGIN >> 30} GiB margin, at "
+                     f"most {MAX_BUDGET >> 30} GiB); pass --kv-cache-memory-bytes to choose")
+    return defaults + list(args), notes
