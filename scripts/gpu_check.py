@@ -99,67 +99,15 @@ def markdown() -> str:
 
 # --- cases ---------------------------------------------------------------------------------
 def make_attention_case(fmt, D, Hq, H, B, qlens, ctx, dtype, seed):
-    """CPU tensors of one mixed batch; pages written by the reference, garbage elsewhere."""
-    import torch
-    from vllm_kvq import reference as ref
-    g = torch.Generator().manual_seed(seed)
-    ks, vs = static_scales(fmt, H, seed)
-    kref = ks if fmt.key.static_scale else None
-    vref = vs if fmt.value.static_scale else None
-    lay = fmt.layout(D, B)
-    R = fmt.residual_chunk
-    S = len(qlens)
-    L = [c + q for c, q in zip(ctx, qlens)]
-    nblk = [(x + B - 1) // B for x in L]
-    nb = sum(nblk) + 3
-    cache = torch.randint(0, 256, (nb, H, B, lay.token_bytes), dtype=torch.uint8, generator=g)
-    perm = torch.randperm(nb, generator=g)
-    bt = torch.zeros(S, max(nblk), dtype=torch.int32)
-    used = 0
-    Ks, Vs = [], []
-    for s in range(S):
-        bt[s, :nblk[s]] = perm[used:used + nblk[s]].to(torch.int32)
-        used += nblk[s]
-        k = (torch.randn(L[s], H, D, generator=g) * 1.5).to(dtype)
-        v = torch.randn(L[s], H, D, generator=g).to(dtype)
-        Ks.append(k)
-        Vs.append(v)
-        Fw = L[s] // R * R
-        if Fw:
-            slots = torch.tensor([int(bt[s, j // B]) * B + j % B for j in range(Fw)], dtype=torch.int64)
-            ref.write_cache(k[:Fw], v[:Fw], cache, slots, fmt, lay, kref, vref)
-    st_k, st_v, ssl, sp0 = [], [], [0], []
-    for s in range(S):
-        pos0 = (L[s] - qlens[s] + 1) // R * R if R > 1 else L[s]
-        sp0.append(pos0)
-        st_k.append(Ks[s][pos0:])
-        st_v.append(Vs[s][pos0:])
-        ssl.append(ssl[-1] + L[s] - pos0)
-    sk = torch.cat(st_k) if R > 1 else torch.zeros(0, H, D, dtype=dtype)
-    sv = torch.cat(st_v) if R > 1 else torch.zeros(0, H, D, dtype=dtype)
-    T = sum(qlens)
-    q = torch.randn(T, Hq, D, generator=g).to(dtype)
-    qsl = torch.tensor([0] + [int(x) for x in torch.tensor(qlens).cumsum(0)], dtype=torch.int32)
-    case = dict(q=q, cache=cache, bt=bt, sl=torch.tensor(L, dtype=torch.int32), qsl=qsl, sk=sk, sv=sv,
-                ssl=torch.tensor(ssl, dtype=torch.int32), sp0=torch.tensor(sp0, dtype=torch.int32),
-                R=R, scale=1.0 / math.sqrt(D), lay=lay, ks=ks, vs=vs)
-    case["expected"] = ref.paged_attention(q, cache, bt, case["sl"], qsl, fmt, lay, case["scale"], kref, vref,
-                                           sk, sv, case["ssl"], case["sp0"]).float()
-    return case
+    """CPU tensors of one mixed batch; pages written by the reference, garbage elsewhere
+    (vllm_kvq/tools/paged_attention_case.py, shared with tests/test_cuda_emulated.py)."""
+    from vllm_kvq.tools.paged_attention_case import attention_case
+    return attention_case(fmt, D, Hq, H, B, qlens, ctx, dtype, seed)
 
 
 def static_scales(fmt, H, seed):
-    import torch
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for c in (fmt.key, fmt.value):
-        if c.granularity == "head":
-            out.append(torch.rand(H, generator=g) * 0.2 + 0.02)
-        elif c.granularity == "tensor" and c.encoding == "int":
-            out.append(torch.full((H,), 0.05))
-        else:
-            out.append(torch.ones(H))
-    return out
+    from vllm_kvq.tools.paged_attention_case import static_scales as scales
+    return scales(fmt, H, seed)
 
 
 def make_write_case(fmt, D, H, B, seed):

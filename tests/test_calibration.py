@@ -123,6 +123,29 @@ def test_constant_groups_and_outliers_are_left_out():
     assert y[0, 0, 2, 5] == 40.0 and torch.equal(y[0, 0, 1], x[0, 0, 1].float())
 
 
+def test_normalization_of_a_codec_as_the_cache_stores_it():
+    """The one normalization also serves benchmarks/nuq_measure.py: any codec's scale groups
+    (outliers per head vector, left out of their group), fp16-rounded scale and zero."""
+    from vllm_kvq.formats import parse_format
+    from vllm_kvq.reference import _fp16_round
+
+    codec = parse_format("nuq3_group32_o1").key
+    g = N.codec_granularity(codec)
+    assert (g.kind, g.size, g.outliers) == ("group", 32, 1)
+    x = torch.randn(1, 1, 8, 64)
+    x[0, 0, 3, 40] = 30.0                       # token 3's outlier, in its second group
+    x[0, 0, 5, 2] = float("nan")                # non-finite: left out
+    xn, zero, scale, valid = N.normalize(x, g, fp16_stats=True)
+    assert not valid[0, 0, 3, 1, 8] and valid[0, 0, 3, 1].sum() == 31
+    assert not valid[0, 0, 5, 0, 2] and valid[0, 0, 5].sum() == 62  # NaN and the outlier
+    v = x[0, 0, 3, 32:].clone()
+    v[8] = float("nan")
+    lo, hi = v.nan_to_num(nan=1e9).min(), v.nan_to_num(nan=-1e9).max()
+    assert scale[0, 0, 3, 1, 0] == _fp16_round((hi - lo) / 2)
+    assert zero[0, 0, 3, 1, 0] == _fp16_round((hi + lo) / 2)
+    assert xn.abs().max() <= 1
+
+
 def test_quantize_dequantize_picks_the_nearest_level():
     x = torch.randn(1, 2, 64, 64)
     lv = torch.tensor([-1.0, -0.3, 0.1, 1.0])
