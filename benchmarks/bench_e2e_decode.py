@@ -24,14 +24,14 @@ DEFAULT_METHODS = "vllm,bf16,int8_token,int4_group32,kivi2,nuq3"
 
 
 def _prompts(model: str, seqs: int, prompt_len: int) -> list[list[int]]:
-    from vllm_kvq.evaluate import default_windows
+    from vllm_kvq.tools.evaluate import default_windows
     return default_windows(model, seqs, prompt_len)
 
 
 def _engine(method: str, model: str, args):
     from vllm import LLM
 
-    from vllm_kvq.evaluate import engine_kwargs
+    from vllm_kvq.tools.evaluate import engine_kwargs
 
     max_len = args.prompt_len + args.new_tokens + 16
     budget = int(args.budget_mib) << 20
@@ -83,16 +83,18 @@ def _profile(method: str, model: str, args) -> None:
     llm = _engine(method, model, args)
     reqs = [TokensPrompt(prompt_token_ids=p) for p in _prompts(model, args.seqs,
                                                                 args.prompt_len)]
-    for n in (1, 1 + args.new_tokens):
+    for phase, n in (("prefill", 1), ("warm", 1), ("decode", 1 + args.new_tokens)):
         sp = SamplingParams(max_tokens=n, min_tokens=n, temperature=0.0, ignore_eos=True)
-        if n > 1:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
-                llm.generate(reqs, sp, use_tqdm=False)
-            print(f"\n## step profile: {method}, {args.seqs} x {args.prompt_len} tokens, "
-                  f"{args.new_tokens} decode steps (self CPU time)\n")
-            print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-        else:
+        if phase == "warm":  # prefix-cached from here on
             llm.generate(reqs, sp, use_tqdm=False)
+            continue
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
+            llm.generate(reqs, sp, use_tqdm=False)
+        what = (f"{args.new_tokens} decode steps" if phase == "decode"
+                else "prefill of the whole prompts")
+        print(f"\n## {phase} profile: {method}, {args.seqs} x {args.prompt_len} tokens, "
+              f"{what} (self CPU time)\n")
+        print(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
 
 
 def main(argv=None) -> int:

@@ -1,5 +1,5 @@
 """Locust load against a local `vllm-kvq serve`: completions and chat, streaming and not,
-prompts cut from real text (State of the Union speeches, vllm_kvq/corpus.py).
+prompts cut from real text (State of the Union speeches, vllm_kvq/tools/corpus.py).
 
     locust -f loadtest/locustfile.py --headless --host http://127.0.0.1:8000 \
         -u 4 -r 2 --run-time 30s --kvq-api-key KEY
@@ -65,7 +65,7 @@ class Prompts:
 
         from tokenizers import Tokenizer
 
-        from vllm_kvq.corpus import token_windows
+        from vllm_kvq.tools.corpus import token_windows
 
         tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))
 

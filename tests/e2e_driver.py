@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from vllm_kvq.evaluate import (GREEDY_PROMPTS, capacity, default_windows, engine_kwargs,
+from vllm_kvq.tools.evaluate import (GREEDY_PROMPTS, capacity, default_windows, engine_kwargs,
                                greedy, greedy_with_margins, run_method)
 from vllm_kvq.model_prep import ensure_default_model
 from vllm_kvq.tools.faults import install_from_env as install_fault_from_env

@@ -40,7 +40,7 @@ def capture_kv(n_windows: int = 1, window: int = 256, seed: int = 5,
 def _capture(model_dir: Path, n_windows: int, window: int, seed: int, min_year: int) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from vllm_kvq.corpus import token_windows
+    from vllm_kvq.tools.corpus import token_windows
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()

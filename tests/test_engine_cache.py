@@ -9,7 +9,7 @@ import json
 import pytest
 from conftest import run_engine as run
 
-from vllm_kvq.evaluate import MAX_NUM_SEQS, compare_runs, first_divergence
+from vllm_kvq.tools.evaluate import MAX_NUM_SEQS, compare_runs, first_divergence
 from vllm_kvq.formats import parse_format
 
 pytestmark = pytest.mark.e2e

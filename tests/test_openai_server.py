@@ -6,7 +6,7 @@ import pytest
 from serve_process import API_KEY
 
 from vllm_kvq.cli import serve_command
-from vllm_kvq.evaluate import GREEDY_PROMPTS
+from vllm_kvq.tools.evaluate import GREEDY_PROMPTS
 from vllm_kvq.formats import FormatError
 
 pytestmark = pytest.mark.e2e

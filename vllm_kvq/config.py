@@ -14,7 +14,7 @@ Keys (all optional but `method`):
                      keys and values) stored exactly in sparse outlier slots (int and nuq)
   calibration        path of a calibration file (`vllm-kvq calibrate`): the nuq codebooks.
                      nuq formats need one; without this key the model's shipped default
-                     (vllm_kvq.calibration.default_calibration_path) is used if there is one.
+                     (vllm_kvq.codebook_file.default_calibration_path) is used if there is one.
 """
 from __future__ import annotations
 

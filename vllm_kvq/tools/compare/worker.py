@@ -11,6 +11,7 @@ from vllm_kvq.tools.compare.children import progress
 from vllm_kvq.tools.compare.inputs import PASSKEY_NEW_TOKENS
 from vllm_kvq.tools.evaluate import (GREEDY_PROMPTS, capacity, engine_kwargs, greedy,
                                      prompt_logprobs)
+from vllm_kvq.tools.faults import install_from_env as install_fault_from_env
 
 
 SPEED_TAIL = 16       # distinct tokens after the shared prefix, per sequence of a batch
@@ -153,6 +154,7 @@ def run_speed(llm, contexts: list[int], batches: list[int], decode_tokens: int,
 def run_worker(spec: dict) -> dict:
     """One method, one engine: capacity, quality, greedy, passkey, speed."""
     os.environ.update(spec.get("env", {}))  # inherited by the engine's processes
+    install_fault_from_env()  # test-only (VLLM_KVQ_FAULT): patched into this process
     from vllm import LLM
 
     method = spec["method"]
