@@ -5,7 +5,8 @@ and must not need any configuration. What it does, and nothing else:
   1. check that the installed vLLM is the one this plugin was written against;
   2. register vllm_kvq.backend.KVQAttentionBackend as AttentionBackendEnum.CUSTOM;
   3. CPU only: CpuPlatform.get_attn_backend_cls ignores CUSTOM; honour it;
-  4. validate the `kvq` config in the platform's check_and_update_config (the front-end
+  4. CPU only: let pipeline parallelism run with enforce_eager (a vLLM 0.32 CPU gap);
+  5. validate the `kvq` config in the platform's check_and_update_config (the front-end
      process, before any engine starts) and take the residual pool out of an explicit
      KV budget, so vLLM's capacity figures include it.
 """
@@ -130,4 +131,55 @@ def _patch_platform(platform_cls) -> None:
             return orig_select(cls, selected_backend, attn_selector_config, num_heads)
 
         platform_cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+        _when_imported("vllm.v1.worker.cpu_model_runner", _patch_cpu_pipeline_warmup)
     setattr(platform_cls, _PATCHED, True)
+
+
+def _when_imported(name: str, patch) -> None:
+    """Run patch(module) once `name` is imported (now, if it already is): importing vLLM's
+    CPU model runner costs seconds, which the API server process must not pay."""
+    import importlib.abc
+    import importlib.util
+    import sys
+
+    if name in sys.modules:
+        patch(sys.modules[name])
+        return
+
+    class Finder(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname, path, target=None):
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)
+            spec = importlib.util.find_spec(fullname)
+            exec_module = spec.loader.exec_module
+
+            def exec_and_patch(module):
+                exec_module(module)
+                patch(module)
+
+            spec.loader.exec_module = exec_and_patch
+            return spec
+
+    sys.meta_path.insert(0, Finder())
+
+
+def _patch_cpu_pipeline_warmup(module) -> None:
+    """vLLM 0.32's CPU runner skips its warm-up dummy run under enforce_eager with an
+    explicit KV budget, and that run is where a non-first pipeline stage allocates its
+    intermediate-tensor buffers: the first real step then fails (`assert
+    self.intermediate_tensors is not None`), with vLLM's own backend as with ours. Allocate
+    them as the dummy run would, once the KV cache is set up."""
+    CPUModelRunner = module.CPUModelRunner
+    orig = CPUModelRunner.initialize_kv_cache
+
+    def initialize_kv_cache(self, *args, **kwargs) -> None:
+        orig(self, *args, **kwargs)
+        from vllm.distributed.parallel_state import get_pp_group
+
+        if self.intermediate_tensors is None and not get_pp_group().is_first_rank:
+            self.intermediate_tensors = self.model.make_empty_intermediate_tensors(
+                batch_size=self.max_num_tokens, dtype=self.model_config.dtype,
+                device=self.device)
+
+    CPUModelRunner.initialize_kv_cache = initialize_kv_cache
