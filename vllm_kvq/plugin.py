@@ -75,7 +75,7 @@ def validate_vllm_config(vllm_config) -> None:
     if model is not None and cfg.fmt.residual_tokens and cache.kv_cache_memory_bytes:
         from vllm_kvq.config import residual_slot_count
 
-        layers = model.get_num_layers(vllm_config.parallel_config)
+        layers = stage_layers(vllm_config)
         heads = model.get_num_kv_heads(vllm_config.parallel_config)
         per_seq = cfg.fmt.residual_bytes_per_seq(layers, heads, model.get_head_size(),
                                                  model.dtype.itemsize)
@@ -106,6 +106,16 @@ def residual_pool_taken(cache_config) -> bool:
     """Whether the residual window's pool was already taken out of this explicit budget."""
     budget = cache_config.kv_cache_memory_bytes
     return budget is not None and getattr(cache_config, _BUDGET_MARK, None) == budget
+
+
+def stage_layers(vllm_config) -> int:
+    """Decoder layers of the longest pipeline stage: every worker's budget must hold its
+    stage's residual pools (vLLM's get_num_layers counts stage 0 only)."""
+    model, par = vllm_config.model_config, vllm_config.parallel_config
+    pp = getattr(par, "pipeline_parallel_size", 1) or 1
+    if pp == 1:
+        return model.get_num_layers(par)
+    return -(-model.get_total_num_hidden_layers() // pp)
 
 
 def _patch_platform(platform_cls) -> None:

@@ -44,8 +44,13 @@ def kv_summary(vllm_config) -> dict[str, Any]:
     model = vllm_config.model_config
     cache = vllm_config.cache_config
     par = vllm_config.parallel_config
-    layers = model.get_num_layers(par)
+    # the whole model's layers (under pipeline parallelism get_num_layers counts stage 0);
+    # kv heads of one tensor-parallel rank (replicated when TP exceeds the kv-head count)
+    total_layers = getattr(model, "get_total_num_hidden_layers", None)
+    layers = total_layers() if total_layers else model.get_num_layers(par)
     heads = model.get_num_kv_heads(par)
+    tp = getattr(par, "tensor_parallel_size", 1) or 1
+    pp = getattr(par, "pipeline_parallel_size", 1) or 1
     head_dim = model.get_head_size()
     block_size = cache.block_size
     blocks = cache.num_gpu_blocks
@@ -61,6 +66,8 @@ def kv_summary(vllm_config) -> dict[str, Any]:
         "capacity_tokens": blocks * block_size if blocks is not None else None,
         "kv_cache_memory_bytes": cache.kv_cache_memory_bytes,  # pages (after the pool)
         "max_num_seqs": vllm_config.scheduler_config.max_num_seqs,
+        "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
+        "kv_heads_per_rank": heads,
     }
     if uses_kvq(vllm_config):
         from vllm_kvq.config import config_from_vllm, residual_slot_count
