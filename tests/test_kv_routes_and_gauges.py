@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vllm_kvq import cli
-from vllm_kvq.serve_defaults import MAX_BUDGET, MIN_BUDGET, with_defaults
+from vllm_kvq.serve_defaults import MAX_BUDGET, MIN_BUDGET, parallel_env, with_defaults
 from vllm_kvq.serving import ROUTE, KVQEndpointPlugin, kv_summary
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 128
@@ -144,6 +144,16 @@ def test_serve_budget_fits_what_is_free():
     assert flags[flags.index("--kv-cache-memory-bytes") + 1] == str(MAX_BUDGET)
     with pytest.raises(ValueError, match="pass --kv-cache-memory-bytes"):
         with_defaults("/nonexistent", [], {}, available=3 * gib)
+
+
+def test_parallel_workers_get_a_thread_binding():
+    assert parallel_env(["--port", "1"], {}, [0, 1]) == {}
+    assert parallel_env(["--pipeline-parallel-size", "2"], {}, [0, 1]) == {
+        "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    assert parallel_env(["-tp=2"], {}, [0, 1, 2, 3]) == {"VLLM_CPU_OMP_THREADS_BIND": "0,1|2,3"}
+    assert parallel_env(["-tp", "2"], {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, [0, 1]) == {}
+    with pytest.raises(ValueError, match="need at least 4 cores"):
+        parallel_env(["-tp", "2", "-pp", "2"], {}, [0, 1])
 
 
 def test_vllm_main_reports_the_cpu_build_as_vllm(monkeypatch):

