@@ -65,6 +65,10 @@ TORCH_LIBRARY(vllm_kvq, ops) {
       "Tensor staging_start_loc, Tensor staging_pos0, int residual_chunk, "
       "float softmax_scale, int[] k_codec, int[] v_codec, Tensor k_scale, "
       "Tensor v_scale, Tensor k_levels, Tensor v_levels) -> ()");
+  ops.def(
+      "dequantize_pages(Tensor cache, Tensor block_row, int num_tokens, int[] k_codec, "
+      "int[] v_codec, Tensor k_scale, Tensor v_scale, Tensor k_levels, Tensor v_levels, "
+      "Tensor(a!) out_k, Tensor(b!) out_v) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vllm_kvq, CPU, ops) {
@@ -83,6 +87,12 @@ TORCH_LIBRARY_IMPL(vllm_kvq, CPU, ops) {
               const at::Tensor& kl, const at::Tensor& vl) {
              kvq_cpu::paged_attention(out, q, cache, bt, sl, qsl, sk, sv, ssl, sp0, r, scale,
                                       kc.vec(), vc.vec(), ks, vs, kl, vl);
+           });
+  ops.impl("dequantize_pages",
+           [](const at::Tensor& cache, const at::Tensor& br, int64_t n, c10::IntArrayRef kc,
+              c10::IntArrayRef vc, const at::Tensor& ks, const at::Tensor& vs,
+              const at::Tensor& kl, const at::Tensor& vl, at::Tensor ok, at::Tensor ov) {
+             kvq_cpu::dequantize_pages(cache, br, n, kc.vec(), vc.vec(), ks, vs, kl, vl, ok, ov);
            });
 }
 

@@ -330,8 +330,30 @@ class LayerOps:
                out: torch.Tensor, staging_k: torch.Tensor | None = None,
                staging_v: torch.Tensor | None = None,
                staging_start_loc: torch.Tensor | None = None,
-               staging_pos0: torch.Tensor | None = None) -> torch.Tensor:
-        """paged_attention's semantics; out [T, Hq, D] is written in place."""
+               staging_pos0: torch.Tensor | None = None, split=None) -> torch.Tensor:
+        """paged_attention's semantics; out [T, Hq, D] is written in place.
+
+        split (vllm_kvq.prefill.Split, CPU only): sequences [0, split.num_decodes) go to the
+        paged kernel, the long prefills after them to the flash path (vllm_kvq.prefill);
+        None: the paged kernel for the whole batch."""
+        if split is None or query.device.type != "cpu":
+            return self._kernel(query, cache, block_table, seq_lens, query_start_loc,
+                                softmax_scale, out, staging_k, staging_v, staging_start_loc,
+                                staging_pos0)
+        nd, ndt = split.num_decodes, split.num_decode_tokens
+        if nd:
+            st = () if staging_k is None else (staging_k, staging_v,
+                                               staging_start_loc[:nd + 1], staging_pos0[:nd])
+            self._kernel(query[:ndt], cache, block_table[:nd], seq_lens[:nd],
+                         query_start_loc[:nd + 1], softmax_scale, out[:ndt], *st)
+        from vllm_kvq.prefill import attend_prefills
+        attend_prefills(self, query, cache, block_table, softmax_scale, out, staging_k,
+                        staging_v, split)
+        return out
+
+    def _kernel(self, query, cache, block_table, seq_lens, query_start_loc, softmax_scale,
+                out, staging_k=None, staging_v=None, staging_start_loc=None,
+                staging_pos0=None) -> torch.Tensor:
         if staging_k is None:
             staging_k = self._no_staging.get(query.dtype)
             if staging_k is None:

@@ -26,6 +26,16 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const at::Tensor& v_scale, const at::Tensor& k_levels,
                      const at::Tensor& v_levels);
 
+// One sequence's K and V, positions [0, num_tokens), from the pages of block_row (int32
+// [>= ceil(num_tokens / block_size)]) into out_k / out_v [H, >= num_tokens, D] (float32,
+// float16 or bfloat16, last dim contiguous): the attention kernel's fp32 values, rounded
+// once to the output dtype. Scales and codebooks as paged_attention.
+void dequantize_pages(const at::Tensor& cache, const at::Tensor& block_row, int64_t num_tokens,
+                      const std::vector<int64_t>& k_codec, const std::vector<int64_t>& v_codec,
+                      const at::Tensor& k_scale, const at::Tensor& v_scale,
+                      const at::Tensor& k_levels, const at::Tensor& v_levels, at::Tensor& out_k,
+                      at::Tensor& out_v);
+
 // Which SIMD path the kernels dispatch to on this CPU: "avx512", "avx2" or "scalar".
 std::string simd_path();
 
