@@ -6,6 +6,7 @@ effective GB/s of KV bytes read (pages incl. scales; min over repeats), speed ra
 bf16 kernel (torch.ops._C.cpu_attention_with_kv_cache) on the same shape in the same run.
 
   python benchmarks/bench_cpu_attention.py [--quick] [--threads N] [--formats bf16,kivi2]
+      [--shapes 32/8/128,9/3/64] [--batches 4,16] [--contexts 512,32768]
 
 nuq formats (e.g. --formats nuq3,int4_token_o1) run with the uniform codebook: the speed of
 a codebook does not depend on its levels.
@@ -13,10 +14,16 @@ a codebook does not depend on its levels.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
-import torch
+# Waiting OpenMP threads sleep instead of spinning, so process CPU time is the work done:
+# on a shared machine the CPU-time columns are the robust ones (wall time then includes
+# waiting for a descheduled thread at every barrier).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 from vllm_kvq import ops
 from vllm_kvq.formats import parse_format
@@ -30,15 +37,19 @@ BASE_TOKENS = 2048  # tokens actually quantized; the rest of the cache repeats t
 
 
 def timeit(fn, min_time=0.4, min_reps=3, max_reps=50):
+    """(wall ms, process CPU ms) per call, each the min over the repeats."""
     fn()  # warm-up
     fn()
-    times = []
+    times, cpu = [], []
     t_end = time.perf_counter() + min_time
     while len(times) < min_reps or (time.perf_counter() < t_end and len(times) < max_reps):
+        c0 = time.process_time()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return min(times) * 1e3  # min: the least disturbed run (shared machines are noisy)
+        cpu.append(time.process_time() - c0)
+    # min: the least disturbed run (shared machines are noisy)
+    return min(times) * 1e3, min(cpu) * 1e3
 
 
 def make_block_tables(batch, ctx, gen):
@@ -101,8 +112,19 @@ def vllm_available():
         return False
 
 
+def _amx_permitted():
+    """Linux gives a process AMX tile state only after arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA); without it vLLM's AMX kernel dies with SIGILL on some kernels/VMs."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def vllm_isa():
-    if torch.cpu._is_amx_tile_supported():
+    if torch.cpu._is_amx_tile_supported() and _amx_permitted():
         return "amx"
     return "vec"  # block size 128 is a multiple of 32
 
@@ -135,6 +157,11 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="batch 1/4, context 1k/4k only")
     ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--shapes", default=None,
+                    help="Hq/H/D list, e.g. 32/8/128,9/3/64 (default: both)")
+    ap.add_argument("--batches", default=None, help="e.g. 4,16 (default 1,4,16)")
+    ap.add_argument("--contexts", default=None,
+                    help="e.g. 512,32768 (default 1024,4096,16384)")
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch/OpenMP threads (0: torch's default); on a shared or oversubscribed "
@@ -144,15 +171,23 @@ def main():
         torch.set_num_threads(args.threads)
     formats = args.formats.split(",")
     batches, contexts = (BATCHES[:2], CONTEXTS[:2]) if args.quick else (BATCHES, CONTEXTS)
+    if args.batches:
+        batches = [int(x) for x in args.batches.split(",")]
+    if args.contexts:
+        contexts = [int(x) for x in args.contexts.split(",")]
+    shapes = SHAPES
+    if args.shapes:
+        shapes = [tuple(int(y) for y in x.split("/")) for x in args.shapes.split(",")]
     have_vllm = not args.no_vllm and vllm_available()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"vllm-kvq SIMD path {ops.simd_path()}, vLLM CPU attention: "
           f"{'isa ' + vllm_isa() if have_vllm else 'not available'}")
     hdr = (f"{'Hq/H/D':>10} {'batch':>5} {'ctx':>6} {'format':>14} {'ms':>9} {'GB/s':>7} "
-           f"{'x our bf16':>10} {'x vLLM bf16':>11}")
+           f"{'x our bf16':>10} {'x vLLM bf16':>11} {'cpu ms':>9} {'cpu x bf16':>10} "
+           f"{'cpu x vLLM':>10}")
     print(hdr)
     print("-" * len(hdr))
-    for Hq, H, D in SHAPES:
+    for Hq, H, D in shapes:
         for batch in batches:
             for ctx in contexts:
                 gen = torch.Generator().manual_seed(1000 * batch + ctx + D)
@@ -176,11 +211,13 @@ def main():
                             diff = (out.float() - vllm_out.float()).abs().max().item()
                             assert diff < 2e-2, f"our bf16 vs vLLM bf16 differ by {diff}"
                     rows.append((name, ms, nb))
-                for name, ms, nb in rows:
-                    r1 = f"{ours_bf16 / ms:10.2f}" if ours_bf16 else f"{'-':>10}"
-                    r2 = f"{vllm_ms / ms:11.2f}" if vllm_ms else f"{'-':>11}"
+                for name, (ms, cms), nb in rows:
+                    r1 = f"{ours_bf16[0] / ms:10.2f}" if ours_bf16 else f"{'-':>10}"
+                    r2 = f"{vllm_ms[0] / ms:11.2f}" if vllm_ms else f"{'-':>11}"
+                    c1 = f"{ours_bf16[1] / cms:10.2f}" if ours_bf16 else f"{'-':>10}"
+                    c2 = f"{vllm_ms[1] / cms:10.2f}" if vllm_ms else f"{'-':>10}"
                     print(f"{f'{Hq}/{H}/{D}':>10} {batch:>5} {ctx:>6} {name:>14} {ms:9.3f} "
-                          f"{nb / ms / 1e6:7.1f} {r1} {r2}", flush=True)
+                          f"{nb / ms / 1e6:7.1f} {r1} {r2} {cms:9.3f} {c1} {c2}", flush=True)
     print("ratios > 1: faster than the reference kernel (ms_ref / ms)")
 
 

@@ -332,6 +332,97 @@ def run_ref(c):
         c.get("staging_pos0"), c.get("k_levels"), c.get("v_levels"))
 
 
+# --- the int8 query of int keys ------------------------------------------------------------
+# Decode tasks with int keys (8/4/2 bits, no outlier slots) compute Q.K in the integer domain
+# (csrc/cpu/attn_body.h "integer Q.K"): the query row x = q * softmax_scale * log2(e) is
+# rounded to int8 with one scale per row (qs = max|x|/127). For per-token / per-group /
+# static key scales the kernel then computes the exact attention of the rounded query; for
+# per-channel keys (KIVI) the channel scales fold into the query first (x' = x * s per scale
+# row, rounded the same way; the zero-points use the exact x). These references reproduce
+# both, so the kernels stay under the tight tolerances below; a row passes when it matches
+# the exact reference or the int8-query one (whether a task takes the integer path depends
+# on the SIMD path's vector width and on the task being a decode).
+LOG2E = 1.4426950408889634
+
+
+def _q8_round(x: torch.Tensor):
+    """fp32 rows x -> (q8, qs) exactly as the kernels round them."""
+    amax = x.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, torch.tensor(127.0) / amax, torch.zeros_like(amax))
+    return torch.round(x * inv), amax / 127.0
+
+
+def int_query_codec(fmt) -> bool:
+    k = fmt.key
+    return k.encoding == "int" and k.bits in (8, 4, 2) and not k.outliers
+
+
+def run_ref_int8q(c):
+    """Reference attention with the kernels' int8 query (see above)."""
+    fmt, lay = c["fmt"], c["lay"]
+    sl2 = torch.tensor(c["softmax_scale"] * LOG2E, dtype=torch.float32)
+    if fmt.key.granularity != "channel":
+        q8, qs = _q8_round(c["query"].float() * sl2)
+        return run_ref(dict(c, query=((q8 * qs).double() / sl2.double()).float()))
+    # per-channel keys: logit_j = qs' (q8' . code_j) + x . z  with x' = x * s, per scale row
+    #   = q~ . (k_j - z) + x . z,  q~ = qs' q8' / s  (0 where s = 0: then code = 0, k = z)
+    query, cache, bt = c["query"], c["cache"], c["block_table"]
+    T, Hq, D = query.shape
+    H, B, R, G = cache.shape[1], lay.block_size, fmt.residual_chunk, fmt.key.group
+    out = torch.zeros(T, Hq, D)
+    planes = reference._planes(cache)
+    r = lay.k
+    n = r["scale_rows"] * r["scale_cols"]
+    for s in range(c["seq_lens"].numel()):
+        L = int(c["seq_lens"][s])
+        q0, q1 = int(c["query_start_loc"][s]), int(c["query_start_loc"][s + 1])
+        if q1 == q0:
+            continue
+        nblk = (L + B - 1) // B
+        K, V = torch.zeros(H, nblk * B, D), torch.zeros(H, nblk * B, D)
+        Sc, Z = torch.zeros(H, nblk * B // G, D), torch.zeros(H, nblk * B // G, D)
+        for j in range(nblk):
+            blk = int(bt[s, j])
+            for h in range(H):
+                k, v = reference.read_block(cache, blk, h, fmt, lay, c["k_scale"], c["v_scale"],
+                                            c.get("k_levels"), c.get("v_levels"))
+                K[h, j * B:(j + 1) * B], V[h, j * B:(j + 1) * B] = k, v
+                sc = reference._fp16_field(planes[blk, h], r["scale_off"], n).reshape(-1, D)
+                z = (reference._fp16_field(planes[blk, h], r["zero_off"], n).reshape(-1, D)
+                     if r["zero_bytes"] else -(2.0 ** (fmt.key.bits - 1)) * sc)
+                Sc[h, j * B // G:(j + 1) * B // G], Z[h, j * B // G:(j + 1) * B // G] = sc, z
+        first = L - (q1 - q0)
+        for i in range(q1 - q0):
+            p = first + i
+            F = (p + 1) // R * R
+            Vp = V[:, :p + 1].clone()
+            Ks = None
+            if F <= p:
+                st0, pos0 = int(c["staging_start_loc"][s]), int(c["staging_pos0"][s])
+                rows = slice(st0 + F - pos0, st0 + p + 1 - pos0)
+                Ks = c["staging_k"][rows].transpose(0, 1).float()
+                Vp[:, F:] = c["staging_v"][rows].transpose(0, 1).float()
+            for hq in range(Hq):
+                h = hq // (Hq // H)
+                x = query[q0 + i, hq].float() * sl2
+                xs = x * Sc[h]                                  # [rows, D]
+                q8, qs = _q8_round(xs)
+                qt = torch.where(Sc[h] != 0, q8 * qs / Sc[h], torch.zeros_like(xs))
+                rowof = torch.arange(F) // G
+                kz = K[h, :F] - Z[h][rowof]
+                lg = (qt.double()[rowof] * kz.double()).sum(-1) + (Z[h][rowof].double() @ x.double())
+                if Ks is not None:
+                    lg = torch.cat([lg, Ks[h].double() @ x.double()])
+                out[q0 + i, hq] = torch.softmax(lg / LOG2E, 0).float() @ Vp[h]
+    return out.to(query.dtype)
+
+
+def run_refs(c):
+    """The references a kernel row may match: exact, and with the int8 query for int keys."""
+    ref = run_ref(c)
+    return [ref, run_ref_int8q(c)] if int_query_codec(c["fmt"]) else ref
+
+
 def run_mine(c, path=None, **over):
     args = dict(c)
     args.update(over)
@@ -349,7 +440,23 @@ def run_mine(c, path=None, **over):
 
 
 def assert_attn_close(mine, ref, dtype, scale=1.0, what=""):
-    """fp32: a few ulps of accumulated rounding; fp16/bf16: one ulp of the output dtype."""
+    """fp32: a few ulps of accumulated rounding; fp16/bf16: one ulp of the output dtype.
+    ref: a tensor, or a list of candidate references (run_refs): each row (last dim) must
+    match one of them."""
+    if isinstance(ref, (list, tuple)):
+        fails = []
+        for r in ref:
+            try:
+                assert_attn_close(mine, r, dtype, scale, what)
+                return
+            except AssertionError as e:
+                fails.append(e)
+        rows = torch.zeros(mine.shape[:-1], dtype=torch.bool)
+        for r in ref:
+            rows |= _rows_close(mine, r, dtype, scale)
+        assert rows.all(), (f"{what}: {int((~rows).sum())} rows match none of the "
+                            f"{len(ref)} references; {fails[0]}")
+        return
     ref = ref[:mine.shape[0]].float()
     mine = mine.float()
     nan_ref, nan_mine = torch.isnan(ref), torch.isnan(mine)
@@ -362,6 +469,18 @@ def assert_attn_close(mine, ref, dtype, scale=1.0, what=""):
     worst = (err - bound).max().item() if err.numel() else -1
     assert worst <= 0, (f"{what}: max err {err.max().item():.3g} exceeds tolerance "
                         f"(atol {atol:.2g}, rtol {rel:.2g})")
+
+
+def _rows_close(mine, ref, dtype, scale=1.0):
+    """Per row (all but the last dim): NaN pattern equal and within assert_attn_close's bound."""
+    ref = ref[:mine.shape[0]].float()
+    mine = mine.float()
+    rel = {torch.float32: 2e-5, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}[dtype]
+    atol = {torch.float32: 2e-5, torch.float16: 2e-4, torch.bfloat16: 2e-3}[dtype] * scale
+    nan_ok = (torch.isnan(ref) == torch.isnan(mine)).all(-1)
+    err = torch.nan_to_num((mine - ref).abs(), nan=0.0)
+    bound = atol + rel * torch.nan_to_num(ref.abs(), nan=0.0)
+    return nan_ok & (err <= bound).all(-1)
 
 
 def _geom(name):
@@ -378,7 +497,7 @@ ATTN_CASES = [(n, dt) for n in ATTN_FORMATS for dt in (torch.float32, torch.bflo
 def test_attention_formats(name, dtype):
     D, B = _geom(name)
     c = build_case(name, D, B, gq=3, H=2, dtype=dtype, seed=_seed(name))
-    ref = run_ref(c)
+    ref = run_refs(c)
     for path in PATHS:
         assert_attn_close(run_mine(c, path), ref, dtype, what=f"{name} {path}")
 
@@ -420,7 +539,7 @@ def test_attention_shapes(name, D, B, gq, dtype):
     seqs = [(33, 33), (70, 9), (129, 1), (290, 1)] if B == 128 else \
         [(33, 33), (70, 9), (129, 1)]
     c = build_case(name, D, B, gq=gq, H=2, dtype=dtype, seqs=seqs, seed=D + B + gq)
-    ref = run_ref(c)
+    ref = run_refs(c)
     for path in PATHS:
         assert_attn_close(run_mine(c, path), ref, dtype, what=f"{name} {path}")
 
@@ -432,7 +551,9 @@ def test_attention_adversarial(name):
     """
     D, B = _geom(name)
     c = build_case(name, D, B, gq=2, H=2, dtype=torch.float32, kind="adversarial", seed=5)
-    ref = run_ref(c)
+    refs = run_refs(c)
+    refs = refs if isinstance(refs, list) else [refs]
+    ref = refs[0]
     fmt = c["fmt"]
     for path in PATHS:
         out = run_mine(c, path)
@@ -442,8 +563,12 @@ def test_attention_adversarial(name):
             assert torch.isfinite(out).all(), f"{path}: quantized formats never give NaN/Inf"
         finite = torch.isfinite(ref[:out.shape[0]])
         assert torch.equal(finite, torch.isfinite(out))
-        err = (out - ref[:out.shape[0]]).abs()[finite]
-        assert err.max().item() <= 2e-3 * max(1.0, ref[:out.shape[0]][finite].abs().max().item())
+        tol = 2e-3 * max(1.0, ref[:out.shape[0]][finite].abs().max().item())
+        row_ok = torch.zeros(out.shape[:-1], dtype=torch.bool)
+        for r in refs:  # each row matches the exact or the int8-query reference
+            err = torch.where(finite, (out - r[:out.shape[0]]).abs(), torch.zeros_like(out))
+            row_ok |= (err <= tol).all(-1)
+        assert row_ok.all(), f"{path}: {int((~row_ok).sum())} rows beyond {tol:.3g}"
 
 
 @pytest.mark.parametrize("name", ["int8_token", "int4_group32_r128", "bf16", "fp8_e4m3"])
@@ -465,7 +590,7 @@ def test_attention_nan_token_isolated(name):
         ops.write_cache(k[:Fp], v[:Fp], c["cache"], bt[pos // B].long() * B + pos % B, fmt)
     if R > 1:
         c["staging_k"], c["staging_v"] = k.clone(), v.clone()
-    ref = run_ref(c)
+    ref = run_refs(c)
     for path in PATHS:
         out = run_mine(c, path)
         if fmt.key.is_float:
@@ -485,7 +610,7 @@ def test_attention_split_long_context():
     name = "int4_group32"
     c = build_case(name, 128, 32, gq=4, H=1, dtype=torch.float32,
                    seqs=[(2113, 1), (1500, 2)], seed=21)
-    ref = run_ref(c)
+    ref = run_refs(c)
     old = torch.get_num_threads()
     torch.set_num_threads(4)  # 2 tasks < 2 * threads: each context is split into 4 parts
     try:
@@ -505,7 +630,7 @@ def test_attention_detects_wrong_scale():
     with pytest.raises(AssertionError):
         assert_attn_close(run_mine(c, v_scale=c["v_scale"] * 1.01), ref, torch.float32)
     c2 = build_case("int4_token", 64, 32, gq=2, H=2, dtype=torch.float32, seed=32)
-    ref2 = run_ref(c2)
+    ref2 = run_refs(c2)
     lay = c2["lay"]
     blk = int(c2["block_table"][4, 0])
     plane = c2["cache"].view(c2["cache"].shape[0], 2, -1)[blk, 1]
@@ -528,7 +653,7 @@ def test_attention_path_smoke(path):
         pytest.skip(f"this CPU has no {path}")
     c = build_case("kivi2", 128, 128, gq=8, H=1, dtype=torch.bfloat16,
                    seqs=[(150, 150), (300, 1)], seed=41)
-    assert_attn_close(run_mine(c, path), run_ref(c), torch.bfloat16, what=path)
+    assert_attn_close(run_mine(c, path), run_refs(c), torch.bfloat16, what=path)
 
 
 def test_attention_argument_errors():
@@ -552,3 +677,40 @@ def test_attention_argument_errors():
         bt = c["block_table"].clone()
         bt[0, 0] = 10**6
         run_mine(c, block_table=bt)
+
+
+INT_QK_FORMATS = ["int8_token", "int4_group32", "int2_group32", "int4_token_sym",
+                  "int8_tensor_sym", "int2_token", "kivi4", "kivi2_k16_g16_r32",
+                  "int8_channel32_r128", "int4_channel32_sym_r32"]
+
+
+@pytest.mark.parametrize("name", INT_QK_FORMATS)
+def test_attention_int8_query(name):
+    """Decodes of int keys take the integer Q.K on every path: each row matches the
+    int8-query reference at the tight tolerance and differs from the exact one (so the
+    integer path really ran); KVQ_EXACT_QK=1 gives the exact attention. The int8 query's
+    error vs the exact kernel, relative L2 per row, stays within twice what
+    benchmarks/int8_query_error.py measured on random data (max 1.4e-2 per-token/group keys,
+    3.1e-2 per-channel keys: the folded query x * s has a wider range than x)."""
+    fmt = parse_format(name)
+    B = max(32, fmt.residual_chunk)
+    c = build_case(name, 128, B, gq=4, H=2, dtype=torch.float32,
+                   seqs=[(300, 1), (97, 1), (B + 5, 1)], seed=_seed(name, "iq"))
+    n = int(c["query_start_loc"][-1])
+    exact, approx = run_ref(c)[:n], run_ref_int8q(c)[:n]
+    for path in PATHS:
+        out = run_mine(c, path)
+        assert _rows_close(out, approx, torch.float32).all(), f"{name} {path}"
+        assert not _rows_close(out, exact, torch.float32).all(), f"{name} {path}: exact?"
+        rel = (out - exact).norm(dim=-1) / exact.norm(dim=-1)
+        bound = 3.1e-2 if fmt.key.granularity == "channel" else 1.4e-2
+        assert rel.max().item() <= 2 * bound, f"{name} {path}: rel err {rel.max():.3g}"
+        old = os.environ.get("KVQ_EXACT_QK")
+        os.environ["KVQ_EXACT_QK"] = "1"
+        try:
+            assert_attn_close(run_mine(c, path), exact, torch.float32, what=f"{name} {path}")
+        finally:
+            if old is None:
+                os.environ.pop("KVQ_EXACT_QK")
+            else:
+                os.environ["KVQ_EXACT_QK"] = old

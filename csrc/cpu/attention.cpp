@@ -303,7 +303,19 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   P.v_levels = vlev.empty() ? nullptr : vlev.data();
   P.partials = partials.data();
 
-  const TaskFn fn = task_fn(current_path());
+  const Path path = current_path();
+  const TaskFn fn = task_fn(path);
+  // Integer Q.K of int keys (attn_body.h): on by default; KVQ_EXACT_QK=1 keeps the exact
+  // fp32 Q.K (read on every call, like KVQ_SIMD). The AVX-512 body uses vpdpbusd.
+  {
+    const char* e = std::getenv("KVQ_EXACT_QK");
+    const bool exact = e && *e && std::string(e) != "0";
+    static const bool vnni = [] {
+      __builtin_cpu_init();
+      return (bool)__builtin_cpu_supports("avx512vnni");
+    }();
+    P.int_qk = !exact && (path != PATH_AVX512 || vnni) ? 1 : 0;
+  }
   const int64_t nwork = (int64_t)work.size();
   const int nthr = (int)std::min<int64_t>(nthreads, nwork);
 #pragma omp parallel num_threads(nthr)

@@ -124,6 +124,84 @@ static inline VF ld_e5m2(const uint8_t* p) {
       _mm_unpacklo_epi8(_mm_setzero_si128(), _mm_loadl_epi64((const __m128i*)p)));
 }
 
+// nuq codes through an in-register table: W codes -> tab[code]. tab holds 16 floats with
+// tab[i] = level[i mod 2^bits]; vpermps reads the low 3 bits, so 4-bit codes take two
+// 8-entry halves and a blend on bit 3.
+static inline VF ld_t4(const uint8_t* p, const float* tab) {  // W/2 bytes
+  int32_t w;
+  memcpy(&w, p, 4);
+  const __m128i x = _mm_cvtsi32_si128(w);
+  const __m256i v = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(_mm_unpacklo_epi8(x, x)),
+                                      _mm256_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4));
+  const VF lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(tab), v);
+  const VF hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(tab + 8), v);
+  return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(v, 28)));
+}
+// 3 bytes; reads 4 (a code row is always followed by more of its plane: the nuq codec's
+// scales); the junk byte only reaches index bits the table ignores.
+static inline VF ld_t3(const uint8_t* p, const float* tab) {
+  uint32_t w;
+  memcpy(&w, p, 4);
+  const __m256i v = _mm256_srlv_epi32(_mm256_set1_epi32((int)w),
+                                      _mm256_setr_epi32(0, 3, 6, 9, 12, 15, 18, 21));
+  return _mm256_permutevar8x32_ps(_mm256_loadu_ps(tab), v);
+}
+static inline VF ld_t2(const uint8_t* p, const float* tab) {  // 2 bytes
+  uint16_t w;
+  memcpy(&w, p, 2);
+  const __m128i dup = _mm_shuffle_epi8(_mm_cvtsi32_si128(w),
+                                       _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0));
+  const __m256i v = _mm256_srlv_epi32(_mm256_cvtepu8_epi32(dup),
+                                      _mm256_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6));
+  return _mm256_permutevar8x32_ps(_mm256_loadu_ps(tab), v);
+}
+
+// ---- integer vectors for the int8-query Q.K (see attn_body.h "integer Q.K") -------------
+// VI: 4W = 32 bytes (u8 codes or s8 query) or W int32 lanes.
+typedef __m256i VI;
+static inline VI ci_zero() { return _mm256_setzero_si256(); }
+// acc lane l += sum_{k<4} c[4l+k] * q[4l+k] (u8 x s8), exactly (like vpdpbusd).
+// SMALL (codes < 16): vpmaddubsw cannot saturate (|2 * 15 * 127| < 2^15).
+// Otherwise (8-bit codes) even and odd bytes go through vpmaddwd as 16-bit words.
+template <bool SMALL>
+static inline VI ci_dot(VI acc, VI c, VI q) {
+  if (SMALL)
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(c, q),
+                                                   _mm256_set1_epi16(1)));
+  const __m256i ce = _mm256_and_si256(c, _mm256_set1_epi16(0x00FF));
+  const __m256i co = _mm256_srli_epi16(c, 8);
+  const __m256i qe = _mm256_srai_epi16(_mm256_slli_epi16(q, 8), 8);
+  const __m256i qo = _mm256_srai_epi16(q, 8);
+  return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(ce, qe),
+                                                _mm256_madd_epi16(co, qo)));
+}
+static inline VF ci_tof(VI a) { return _mm256_cvtepi32_ps(a); }
+static inline VI ld_q8(const int8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+static inline VI ld_c8(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+// 2W = 16 bytes of int4: bytes [0, 16) = low nibbles, [16, 32) = high nibbles.
+static inline VI ld_c4(const uint8_t* p) {
+  const __m256i x = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)p));
+  return _mm256_and_si256(_mm256_srlv_epi64(x, _mm256_set_epi64x(4, 4, 0, 0)),
+                          _mm256_set1_epi8(0x0F));
+}
+// W = 8 bytes of int2: byte 8k + i = bit pair k of byte i.
+static inline VI ld_c2(const uint8_t* p) {
+  int64_t w;
+  memcpy(&w, p, 8);
+  return _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(w), _mm256_set_epi64x(6, 4, 2, 0)),
+                          _mm256_set1_epi8(0x03));
+}
+// lane l = tab[idx[l]], idx[l] < W (tab: W readable floats).
+static inline VF vperm_tab(const float* tab, const int32_t* idx) {
+  return _mm256_permutevar8x32_ps(_mm256_loadu_ps(tab), _mm256_loadu_si256((const __m256i*)idx));
+}
+// dst[0..W) = (int8) rint(x * inv); |x * inv| <= 127.
+static inline void vq8_store(VF x, VF inv, int8_t* dst) {
+  const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(x, inv));
+  const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  _mm_storel_epi64((__m128i*)dst, _mm_packs_epi16(w, w));
+}
+
 #include "attn_body.h"
 
 const TaskFn run_task = &run_task_impl;

@@ -1,4 +1,6 @@
-// Paged attention, AVX-512 (F/BW/DQ/VL) path (16 float lanes). See attn_body.h.
+// Paged attention, AVX-512 (F/BW/DQ/VL, + VNNI for the integer Q.K of int keys) path (16
+// float lanes). See attn_body.h. The driver only sets AttnParams::int_qk on this path when
+// the CPU has AVX512-VNNI, so vpdpbusd never runs on a CPU without it.
 #include <immintrin.h>
 #include <math.h>
 #include <string.h>
@@ -6,7 +8,7 @@
 #include "attn_common.h"
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi,bmi2")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi,bmi2")
 // GCC 12 warns about _mm512_undefined_* inside its own intrinsics (a false positive).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
@@ -131,6 +133,71 @@ static inline VF ld_e4m3(const uint8_t* p) {
 static inline VF ld_e5m2(const uint8_t* p) {
   const __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)p));
   return _mm512_cvtph_ps(_mm256_slli_epi16(w, 8));
+}
+
+// nuq codes through an in-register table: W codes -> tab[code]. tab holds 16 floats with
+// tab[i] = level[i mod 2^bits], so the index may keep junk bits above the code (vpermps
+// reads the low 4 bits).
+static inline VF ld_t4(const uint8_t* p, const float* tab) {  // W/2 bytes
+  const __m128i x = _mm_loadl_epi64((const __m128i*)p);
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(x, x));
+  const __m512i sh = _mm512_setr_epi32(0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4, 0, 4);
+  return _mm512_permutexvar_ps(_mm512_srlv_epi32(v, sh), _mm512_loadu_ps(tab));
+}
+// 3W/8 = 6 bytes; reads 8 (a code row is always followed by more of its plane: the nuq
+// codec's scales), so the load is one 8-byte load (a 6-byte memcpy would make the vector
+// load wait for a failed store forward).
+static inline VF ld_t3(const uint8_t* p, const float* tab) {
+  uint64_t w;
+  memcpy(&w, p, 8);
+  // qword k: codes 2k, 2k+1 at its bits 0..5; its low dword copied to both halves, the odd
+  // lane shifted by 3 more
+  const __m512i y = _mm512_srlv_epi64(_mm512_set1_epi64((long long)w),
+                                      _mm512_setr_epi64(0, 6, 12, 18, 24, 30, 36, 42));
+  const __m512i z = _mm512_srlv_epi32(_mm512_shuffle_epi32(y, _MM_PERM_CCAA),
+                                      _mm512_setr_epi32(0, 3, 0, 3, 0, 3, 0, 3, 0, 3, 0, 3, 0,
+                                                        3, 0, 3));
+  return _mm512_permutexvar_ps(z, _mm512_loadu_ps(tab));
+}
+static inline VF ld_t2(const uint8_t* p, const float* tab) {  // W/4 bytes
+  int32_t w;
+  memcpy(&w, p, 4);
+  const __m128i dup = _mm_shuffle_epi8(_mm_cvtsi32_si128(w),
+                                       _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+  const __m512i sh = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
+  return _mm512_permutexvar_ps(_mm512_srlv_epi32(_mm512_cvtepu8_epi32(dup), sh),
+                               _mm512_loadu_ps(tab));
+}
+
+// ---- integer vectors for the int8-query Q.K (see attn_body.h "integer Q.K") -------------
+// VI: 4W = 64 bytes (u8 codes or s8 query) or W int32 lanes.
+typedef __m512i VI;
+static inline VI ci_zero() { return _mm512_setzero_si512(); }
+// acc lane l += sum_{k<4} c[4l+k] * q[4l+k] (u8 x s8), vpdpbusd; SMALL: codes < 16 (unused here)
+template <bool SMALL>
+static inline VI ci_dot(VI acc, VI c, VI q) { return _mm512_dpbusd_epi32(acc, c, q); }
+static inline VF ci_tof(VI a) { return _mm512_cvtepi32_ps(a); }
+static inline VI ld_q8(const int8_t* p) { return _mm512_loadu_si512((const void*)p); }
+static inline VI ld_c8(const uint8_t* p) { return _mm512_loadu_si512((const void*)p); }
+// 2W = 32 bytes of int4: bytes [0, 32) = low nibbles, [32, 64) = high nibbles.
+static inline VI ld_c4(const uint8_t* p) {
+  const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)p));
+  return _mm512_and_si512(_mm512_srlv_epi64(x, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)),
+                          _mm512_set1_epi8(0x0F));
+}
+// W = 16 bytes of int2: byte 16k + i = bit pair k of byte i.
+static inline VI ld_c2(const uint8_t* p) {
+  const __m512i x = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)p));
+  return _mm512_and_si512(_mm512_srlv_epi64(x, _mm512_set_epi64(6, 6, 4, 4, 2, 2, 0, 0)),
+                          _mm512_set1_epi8(0x03));
+}
+// lane l = tab[idx[l]], idx[l] < W (tab: W readable floats).
+static inline VF vperm_tab(const float* tab, const int32_t* idx) {
+  return _mm512_permutexvar_ps(_mm512_loadu_si512((const void*)idx), _mm512_loadu_ps(tab));
+}
+// dst[0..W) = (int8) rint(x * inv); |x * inv| <= 127.
+static inline void vq8_store(VF x, VF inv, int8_t* dst) {
+  _mm_storeu_si128((__m128i*)dst, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x, inv))));
 }
 
 #include "attn_body.h"

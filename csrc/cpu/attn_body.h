@@ -24,6 +24,10 @@
 // see cannot reach it. Headers are included by the translation unit before its target
 // pragma.
 //
+// Integer Q.K (fused decode path, ENC_INT keys of 8/4/2 bits without outlier slots; see
+// "integer Q.K" below): the query rows are rounded to int8 once per task and each key
+// token's logit is an integer dot product of codes and int8 query (vpdpbusd), scaled once.
+//
 // nuq codecs and codecs with outlier slots are decoded to fp32 rows when a tile is
 // prepared (predecode_segment: level[code] * scale + zero through the layer's codebook, or
 // code * scale + zero, then each outlier slot overwrites its channel) and consumed as the
@@ -51,7 +55,7 @@ static inline void cvt_f16(const uint8_t* src, int n, float mul, float* dst) {
 }
 
 // ---- a tile's K or V source: code rows + scales, decoded chunk by chunk ---------------------
-enum Kind { K_F16 = 0, K_BF16, K_E4M3, K_E5M2, K_U8, K_U4, K_U2, K_F32 };
+enum Kind { K_F16 = 0, K_BF16, K_E4M3, K_E5M2, K_U8, K_U4, K_U2, K_F32, K_N4, K_N3, K_N2 };
 template <int KIND, bool VEC, bool PERM>
 struct KT {};
 
@@ -60,7 +64,9 @@ struct TileSrc {
                            // the token's D decoded floats)
   const float* sv[TT];     // VEC: D scales; else the token's scales, chunk c uses [c >> gshift]
   const float* zv[TT];
+  const uint8_t* orow[TT];  // outlier slots of token t (fused path, codecs with outliers)
   int gshift;
+  float lev[16];            // nuq kinds: lev[i] = codebook[i mod 2^bits]
 };
 
 static void unpack3(const uint8_t* row, int D, uint8_t* out) {
@@ -72,7 +78,10 @@ static void unpack3(const uint8_t* row, int D, uint8_t* out) {
 }
 
 template <int KIND>
-static inline VF decode_codes(const uint8_t* row, int c) {
+static inline VF decode_codes(const uint8_t* row, int c, const float* lev) {
+  if (KIND == K_N4) return ld_t4(row + c * (W / 2), lev);
+  if (KIND == K_N3) return ld_t3(row + c * (3 * W / 8), lev);
+  if (KIND == K_N2) return ld_t2(row + c * (W / 4), lev);
   if (KIND == K_F32) return vload((const float*)row + c * W);
   if (KIND == K_F16) return ld_f16((const uint16_t*)row + c * W);
   if (KIND == K_BF16) return ld_bf16((const uint16_t*)row + c * W);
@@ -86,7 +95,7 @@ static inline VF decode_codes(const uint8_t* row, int c) {
 // Chunk c (channels c*W .. c*W+W-1) of token t, dequantized.
 template <int KIND, bool VEC>
 static inline VF decode(const TileSrc& ts, int t, int c) {
-  const VF x = decode_codes<KIND>(ts.row[t], c);
+  const VF x = decode_codes<KIND>(ts.row[t], c, ts.lev);
   if (KIND == K_F16 || KIND == K_BF16 || KIND == K_F32) return x;
   if (VEC) return vfma(x, vload(ts.sv[t] + c * W), vload(ts.zv[t] + c * W));
   const int gi = c >> ts.gshift;
@@ -107,7 +116,10 @@ struct TileBufs {
   float* lut;  // 16 * D: per-channel lookup tables (nuq / outlier codecs, channel scales)
 };
 
-// Whether a codec is decoded to fp32 rows when its tile is prepared (K_F32).
+// Whether a codec is decoded to fp32 rows when its tile is prepared (K_F32): in the
+// scratch path (prefill) nuq and outlier codecs are; the fused decode path reads their
+// codes in registers (nuq: through the codebook table, ld_t*) and applies each outlier
+// slot as a sparse correction (outlier_fix_k / outlier_fix_v).
 static inline bool predecoded(const kvq::Codec& c) {
   return c.encoding == kvq::ENC_NUQ || c.outliers > 0;
 }
@@ -217,20 +229,26 @@ static void predecode_segment(const kvq::Codec& c, const kvq::Region& r, const u
 
 // Add rows [off, off+cnt) of one region of `plane` as tokens at.. of the tile.
 static inline int perm_chan(int kind, int p);
+static inline int ichan(int bits, int p);
+constexpr int kPermInt = 100;  // perm kind kPermInt + bits: the integer Q.K code order
 static void permute_row(float* x, int D, int kind) {
   float tmp[512];
   for (int d = 0; d < D; ++d) tmp[d] = x[d];
-  for (int p = 0; p < D; ++p) x[p] = tmp[perm_chan(kind, p)];
+  for (int p = 0; p < D; ++p)
+    x[p] = tmp[kind >= kPermInt ? ichan(kind - kPermInt, p) : perm_chan(kind, p)];
 }
 
 // perm_kind: K_U4/K_U2 when the fused path decodes this side permuted, else -1.
 static void prep_segment(const kvq::Codec& c, const kvq::Region& r, const uint8_t* plane,
                          int off, int cnt, int at, int D, float st, TileBufs& tb, int& nch_rows,
-                         TileSrc& ts, int perm_kind, const float* levels) {
-  if (predecoded(c)) {
+                         TileSrc& ts, int perm_kind, const float* levels, bool dense) {
+  if (predecoded(c) && !dense) {
     predecode_segment(c, r, plane, off, cnt, at, D, st, levels, tb, ts);
     return;
   }
+  if (c.outliers)
+    for (int i = 0; i < cnt; ++i)
+      ts.orow[at + i] = plane + r.outlier_off + (int64_t)(off + i) * c.outliers * 4;
   const uint8_t* data = plane + r.data_off;
   const bool e4 = c.encoding == kvq::ENC_FP8_E4M3;
   const bool is_int = c.encoding == kvq::ENC_INT;
@@ -300,11 +318,19 @@ static void prep_segment(const kvq::Codec& c, const kvq::Region& r, const uint8_
   }
 }
 
-// Calls f(KT<kind, vec, perm>{}) for the codec; perm only applies to int4/int2.
+// Calls f(KT<kind, vec, perm>{}) for the codec; perm only applies to int4/int2. dense: the
+// fused path (nuq / outlier codecs not predecoded).
 template <class F>
-static inline void with_kind(const kvq::Codec& c, bool perm, F&& f) {
+static inline void with_kind(const kvq::Codec& c, bool perm, F&& f, bool dense = false) {
   const bool vec = c.granularity == kvq::GRAN_CHANNEL;
-  if (predecoded(c)) { f(KT<K_F32, false, false>{}); return; }
+  if (predecoded(c) && !dense) { f(KT<K_F32, false, false>{}); return; }
+  if (c.encoding == kvq::ENC_NUQ) {
+    switch (c.bits) {
+      case 4: if (vec) f(KT<K_N4, true, false>{}); else f(KT<K_N4, false, false>{}); return;
+      case 3: if (vec) f(KT<K_N3, true, false>{}); else f(KT<K_N3, false, false>{}); return;
+      default: if (vec) f(KT<K_N2, true, false>{}); else f(KT<K_N2, false, false>{}); return;
+    }
+  }
   switch (c.encoding) {
     case kvq::ENC_FP16: f(KT<K_F16, false, false>{}); return;
     case kvq::ENC_BF16: f(KT<K_BF16, false, false>{}); return;
@@ -349,7 +375,7 @@ static inline bool can_perm(const kvq::Codec& c, int D) {
 template <int KIND, bool VEC, bool PERM>
 static inline void decode_step(const TileSrc& ts, int t, int u, VF* out) {
   if (KIND == K_E4M3 || KIND == K_E5M2) {
-    out[0] = decode_codes<KIND>(ts.row[t], u);
+    out[0] = decode_codes<KIND>(ts.row[t], u, ts.lev);
   } else if (!PERM) {
     out[0] = decode<KIND, VEC>(ts, t, u);
   } else {
@@ -376,6 +402,203 @@ static void decode_tile(const TileSrc& ts, int nt, int D, float* out) {  // natu
   const int nch = D / W;
   for (int t = 0; t < nt; ++t)
     for (int c = 0; c < nch; ++c) vstore(out + (int64_t)t * D + c * W, decode<KIND, VEC>(ts, t, c));
+}
+
+// ---- outlier slots in the fused path -------------------------------------------------------
+// The dense value the fused decode gives channel ch of token t (the value an outlier slot
+// replaces): table[code] * scale + zero, the scale/zero of ch's group (or channel).
+static inline float dense_value(const kvq::Codec& c, const TileSrc& ts, int t, int ch) {
+  const uint8_t* row = ts.row[t];
+  uint32_t code;
+  if (c.bits == 8 || (c.bits == 3 && c.encoding == kvq::ENC_INT)) {
+    code = row[ch];  // (int3: unpacked to bytes by prep_segment)
+  } else if (c.bits == 4) {
+    code = (row[ch >> 1] >> ((ch & 1) * 4)) & 15u;
+  } else if (c.bits == 2) {
+    code = (row[ch >> 2] >> ((ch & 3) * 2)) & 3u;
+  } else {
+    const uint8_t* g = row + (ch / 8) * 3;
+    const uint32_t w = (uint32_t)g[0] | ((uint32_t)g[1] << 8) | ((uint32_t)g[2] << 16);
+    code = (w >> (3 * (ch % 8))) & 7u;
+  }
+  const float x = c.encoding == kvq::ENC_NUQ ? ts.lev[code] : (float)code;
+  const int si = c.granularity == kvq::GRAN_CHANNEL ? ch : ((ch / W) >> ts.gshift);
+  return x * ts.sv[t][si] + ts.zv[t][si];
+}
+// K: S[m][t] += Q[m][ch] * (exact - dense) for every slot of tokens [0, nt).
+static void outlier_fix_k(const kvq::Codec& c, const TileSrc& ts, int nt, int M, int D,
+                          const float* Q, float* S) {
+  for (int t = 0; t < nt; ++t)
+    for (int j = 0; j < c.outliers; ++j) {
+      uint16_t ch, v;
+      memcpy(&ch, ts.orow[t] + 4 * j, 2);
+      memcpy(&v, ts.orow[t] + 4 * j + 2, 2);
+      if (ch >= D) continue;
+      const float delta = kvq::fp16_to_float(v) - dense_value(c, ts, t, ch);
+      for (int m = 0; m < M; ++m) S[m * SL + t] += Q[(int64_t)m * D + ch] * delta;
+    }
+}
+// V: acc[m][ch] += P[m][t] * (exact - dense) for every slot of tokens [a, b).
+static void outlier_fix_v(const kvq::Codec& c, const TileSrc& ts, int a, int b, int M, int D,
+                          const float* P, float* acc) {
+  for (int t = a; t < b; ++t)
+    for (int j = 0; j < c.outliers; ++j) {
+      uint16_t ch, v;
+      memcpy(&ch, ts.orow[t] + 4 * j, 2);
+      memcpy(&v, ts.orow[t] + 4 * j + 2, 2);
+      if (ch >= D) continue;
+      const float delta = kvq::fp16_to_float(v) - dense_value(c, ts, t, ch);
+      for (int m = 0; m < M; ++m) acc[(int64_t)m * D + ch] += P[m * SL + t] * delta;
+    }
+}
+
+// ---- integer Q.K ---------------------------------------------------------------------------
+// For ENC_INT keys (8/4/2 bits, no outlier slots) the fused decode path computes logits in
+// the integer domain. Once per task each query row q (already times softmax_scale*log2 e)
+// is rounded to int8 with one scale per row:
+//     qs = max|q| / 127,  q8 = rint(q * 127 / max|q|),  q^ = qs * q8.
+// A key value is code * s + z (sym: z = -2^(b-1) s), so for a per-token / per-group scale
+//     q^ . k = qs * sum_g s_g * (sum_{d in g} q8_d code_d) + sum_g z_g * (qs * sum_{d in g} q8_d)
+// where the inner sums are exact integer dot products (vpdpbusd: u8 code x s8 query, or
+// vpmaddubsw/vpmaddwd on AVX2, the same integers on every path). The result is the exact
+// attention of the rounded query q^ (the staging keys of the task read q^ too), i.e. an
+// approximation of the query, not of the cache: |q - q^| <= qs / 2 per element.
+// Per-channel keys (GRAN_CHANNEL, KIVI): the channel scales fold into the query once per
+// scale row: q' = q * s (rounded to int8 with its own row scale qs'), zsum = q . z exact, and
+// each token's logit is qs' * (q'8 . code) + zsum.
+// Measured error (benchmarks/int8_query_error.py: relative L2 error of each decode row's
+// output vs KVQ_EXACT_QK=1, head_dim 64, 256 keys, random queries): per-token / per-group
+// keys mean 5.7e-3..6.6e-3, max 1.4e-2 on random K/V, mean 1.6e-3..4.2e-3, max 2.7e-2 on
+// captured SmolLM2-135M K/V (layers 0/15/29); per-channel keys (kivi4/kivi2) mean 1.3e-2,
+// max 3.1e-2 random, mean 3.4e-3..4.6e-3, max 2.4e-2 captured. tests/test_kernels.py checks
+// the kernels against a reference with the same rounding at the usual tight tolerances.
+// KVQ_EXACT_QK=1 turns the integer Q.K off.
+// Codes are consumed in "code order" (ichan): one VI holds CW = 4W codes of CW consecutive
+// channels, unpacked with one shift and one mask (int4: low nibbles then high nibbles; int2:
+// bit pair 0, 1, 2, 3); the int8 query is stored in the same order.
+constexpr int CW = 4 * W;
+
+static inline int ichan(int bits, int p) {
+  const int c = p / CW, j = p % CW;
+  if (bits == 8) return p;
+  if (bits == 4) return CW * c + (j < 2 * W ? 2 * j : 2 * (j - 2 * W) + 1);
+  return CW * c + 4 * (j % W) + j / W;
+}
+
+// Whether the integer Q.K handles this key codec at this head size.
+static inline bool int_qk_ok(const kvq::Codec& c, int D) {
+  if (c.encoding != kvq::ENC_INT || c.outliers) return false;
+  if (c.bits != 8 && c.bits != 4 && c.bits != 2) return false;
+  if (D % CW) return false;
+  switch (c.granularity) {
+    case kvq::GRAN_TOKEN: case kvq::GRAN_TENSOR: case kvq::GRAN_HEAD: case kvq::GRAN_CHANNEL:
+      return true;
+    case kvq::GRAN_GROUP: {
+      // each int32 lane (4 codes) within one group, and a chunk's groups at a fixed pattern
+      const int g = c.group, span = c.bits == 8 ? 4 : (c.bits == 4 ? 8 : 16);
+      return g % span == 0 && (CW % g == 0 || g % CW == 0);
+    }
+    default: return false;
+  }
+}
+
+template <int BITS>
+static inline VI ld_codes(const uint8_t* row, int c) {
+  if (BITS == 8) return ld_c8(row + c * CW);
+  if (BITS == 4) return ld_c4(row + c * (2 * W));
+  return ld_c2(row + c * W);
+}
+
+// S[m][t] for tokens [ta, tb) and MB rows (q8: MB rows of D bytes in code order):
+//  !GRP: the integer dot q8 . code (as float);
+//   GRP: sum over chunks and lanes of s[t][group(lane)] * (lane's integer dot), the lane's
+//        scale taken from ts.sv[t] + gbase[c] through lidx (lane -> group within a chunk).
+template <int BITS, bool GRP, int MB>
+static void qk_int(const int8_t* q8, int D, const TileSrc& ts, int ta, int tb,
+                   const int32_t* lidx, const int32_t* gbase, float* S) {
+  constexpr int TB = W / MB;
+  constexpr bool SMALL = BITS < 8;
+  const int nc = D / CW;
+  for (int t0 = ta; t0 < tb; t0 += TB) {
+    const uint8_t* rows[TB];
+    const float* sv[TB];
+    for (int ti = 0; ti < TB; ++ti) {
+      const int t = imin(t0 + ti, tb - 1);
+      rows[ti] = ts.row[t];
+      sv[ti] = GRP ? ts.sv[t] : nullptr;
+    }
+    VF f[W];
+    if (!GRP) {
+      VI acc[W];
+      for (int i = 0; i < W; ++i) acc[i] = ci_zero();
+      for (int c = 0; c < nc; ++c)
+        for (int ti = 0; ti < TB; ++ti) {
+          const VI kv = ld_codes<BITS>(rows[ti], c);
+          for (int mi = 0; mi < MB; ++mi)
+            acc[mi * TB + ti] =
+                ci_dot<SMALL>(acc[mi * TB + ti], kv, ld_q8(q8 + (int64_t)mi * D + c * CW));
+        }
+      for (int i = 0; i < W; ++i) f[i] = ci_tof(acc[i]);
+    } else {
+      for (int i = 0; i < W; ++i) f[i] = vzero();
+      for (int c = 0; c < nc; ++c)
+        for (int ti = 0; ti < TB; ++ti) {
+          const VI kv = ld_codes<BITS>(rows[ti], c);
+          const VF ks = vperm_tab(sv[ti] + gbase[c], lidx);
+          for (int mi = 0; mi < MB; ++mi)
+            f[mi * TB + ti] = vfma(
+                ci_tof(ci_dot<SMALL>(ci_zero(), kv, ld_q8(q8 + (int64_t)mi * D + c * CW))), ks,
+                f[mi * TB + ti]);
+        }
+    }
+    float tmp[W];
+    vstore(tmp, vreduce(f));
+    for (int mi = 0; mi < MB; ++mi)
+      for (int ti = 0; ti < TB && t0 + ti < tb; ++ti) S[mi * SL + t0 + ti] = tmp[mi * TB + ti];
+  }
+}
+
+template <int BITS, bool GRP>
+static void qk_int_rows(int MBq, const int8_t* q8, int D, const TileSrc& ts, int ta, int tb,
+                        const int32_t* lidx, const int32_t* gbase, float* S) {
+  switch (MBq) {
+    case 1: qk_int<BITS, GRP, 1>(q8, D, ts, ta, tb, lidx, gbase, S); return;
+    case 2: qk_int<BITS, GRP, 2>(q8, D, ts, ta, tb, lidx, gbase, S); return;
+    case 4: qk_int<BITS, GRP, 4>(q8, D, ts, ta, tb, lidx, gbase, S); return;
+    case 8: qk_int<BITS, GRP, (8 <= W ? 8 : 1)>(q8, D, ts, ta, tb, lidx, gbase, S); return;
+    default: qk_int<BITS, GRP, (16 <= W ? 16 : 1)>(q8, D, ts, ta, tb, lidx, gbase, S); return;
+  }
+}
+static void qk_int_kind(int bits, bool grp, int MBq, const int8_t* q8, int D, const TileSrc& ts,
+                        int ta, int tb, const int32_t* lidx, const int32_t* gbase, float* S) {
+  if (bits == 8) {
+    if (grp) qk_int_rows<8, true>(MBq, q8, D, ts, ta, tb, lidx, gbase, S);
+    else qk_int_rows<8, false>(MBq, q8, D, ts, ta, tb, lidx, gbase, S);
+  } else if (bits == 4) {
+    if (grp) qk_int_rows<4, true>(MBq, q8, D, ts, ta, tb, lidx, gbase, S);
+    else qk_int_rows<4, false>(MBq, q8, D, ts, ta, tb, lidx, gbase, S);
+  } else {
+    if (grp) qk_int_rows<2, true>(MBq, q8, D, ts, ta, tb, lidx, gbase, S);
+    else qk_int_rows<2, false>(MBq, q8, D, ts, ta, tb, lidx, gbase, S);
+  }
+}
+
+// Row x[D] (code order) -> q8 = rint(x * 127 / max|x|); returns the row scale max|x| / 127
+// (0 for an all-zero row; NaN/Inf when x is not finite).
+static inline float quantize_q8(const float* x, int D, int8_t* q8) {
+  VF mx = vzero();
+  for (int d = 0; d < D; d += W) {
+    const VF v = vload(x + d);
+    mx = vmax(mx, vmax(v, vsub(vzero(), v)));
+  }
+  VF nf = vzero();  // vmax drops NaN: x * 0 is NaN exactly for non-finite x
+  for (int d = 0; d < D; d += W) nf = vadd(nf, vmul(vload(x + d), vzero()));
+  float amax = vhmax(mx);
+  if (vhsum(nf) != 0.0f) amax = NAN;
+  const float inv = amax > 0.0f && amax <= 3.0e38f ? 127.0f / amax : 0.0f;
+  const VF vi = vset(inv);
+  for (int d = 0; d < D; d += W) vq8_store(vload(x + d), vi, q8 + d);
+  return amax / 127.0f;
 }
 
 // ---- fused decode path ---------------------------------------------------------------------
@@ -406,31 +629,60 @@ static void qk_fused(const float* Q, const TileSrc& ts, int nt, int D, float* S)
   }
 }
 
+// Decode step u of token t without scale and zero: raw codes (int) or codebook levels (nuq).
+template <int KIND, bool PERM>
+static inline void decode_raw(const TileSrc& ts, int t, int u, VF* out) {
+  if (PERM) {
+    if (KIND == K_U4) ld_u4x2(ts.row[t] + u * W, out[0], out[1]);
+    else ld_u2x2(ts.row[t] + u * (W / 2), out[0], out[1]);
+  } else {
+    out[0] = decode_codes<KIND>(ts.row[t], u, ts.lev);
+  }
+}
+
 // acc[m] += sum_{t in [a,b)} P[m][t] V[t] for MB rows, V decoded in registers; DS decode
 // steps (DS*NV chunks) per pass.
-template <int KIND, bool VEC, bool PERM, int MB, int DS>
+// FOLD (per-token / per-group / static scales of int and nuq values): the scale is folded
+// into the weight, acc += (P[m][t] * s[t][g]) * code, with PS[(m * ngs + g) * SL + t] =
+// P[m][t] * s[t][g] prepared by the caller, which also adds sum_t P[m][t] * z[t][g] once per
+// group (pv_fold_prepare / pv_fold_finish): one FMA per chunk less than decoding.
+template <int KIND, bool VEC, bool PERM, int MB, int DS, bool FOLD>
 static inline void pv_fused_block(const float* P, const TileSrc& ts, int a, int b, int D,
-                                  int u0, float* acc) {
+                                  int u0, float* acc, const float* PS, int ngs) {
   constexpr int NV = PERM ? 2 : 1, DC = DS * NV;
   float* base = acc + (int64_t)u0 * NV * W;
   VF x[MB][DC];
   for (int mi = 0; mi < MB; ++mi)
     for (int k = 0; k < DC; ++k) x[mi][k] = vload(base + (int64_t)mi * D + k * W);
+  int goff[DS];
+  for (int k = 0; k < DS; ++k) goff[k] = FOLD ? (((u0 + k) * NV) >> ts.gshift) * SL : 0;
   for (int t = a; t < b; ++t) {
     VF v[DS][NV];
-    for (int k = 0; k < DS; ++k) decode_step<KIND, VEC, PERM>(ts, t, u0 + k, v[k]);
+    for (int k = 0; k < DS; ++k) {
+      if (FOLD) decode_raw<KIND, PERM>(ts, t, u0 + k, v[k]);
+      else decode_step<KIND, VEC, PERM>(ts, t, u0 + k, v[k]);
+    }
     for (int mi = 0; mi < MB; ++mi) {
-      const VF p = vset(P[mi * SL + t]);
-      for (int k = 0; k < DS; ++k)
-        for (int n = 0; n < NV; ++n) x[mi][k * NV + n] = vfma(p, v[k][n], x[mi][k * NV + n]);
+      if (FOLD) {
+        const float* ps = PS + (int64_t)mi * ngs * SL + t;
+        for (int k = 0; k < DS; ++k) {
+          const VF p = vset(ps[goff[k]]);
+          for (int n = 0; n < NV; ++n) x[mi][k * NV + n] = vfma(p, v[k][n], x[mi][k * NV + n]);
+        }
+      } else {
+        const VF p = vset(P[mi * SL + t]);
+        for (int k = 0; k < DS; ++k)
+          for (int n = 0; n < NV; ++n) x[mi][k * NV + n] = vfma(p, v[k][n], x[mi][k * NV + n]);
+      }
     }
   }
   for (int mi = 0; mi < MB; ++mi)
     for (int k = 0; k < DC; ++k) vstore(base + (int64_t)mi * D + k * W, x[mi][k]);
 }
 
-template <int KIND, bool VEC, bool PERM, int MB>
-static void pv_fused(const float* P, const TileSrc& ts, int a, int b, int D, float* acc) {
+template <int KIND, bool VEC, bool PERM, int MB, bool FOLD>
+static void pv_fused(const float* P, const TileSrc& ts, int a, int b, int D, float* acc,
+                     const float* PS, int ngs) {
   // accumulators MB*DC + DC decoded chunks + 1 broadcast within the register file
   constexpr int NV = PERM ? 2 : 1;
   constexpr int REGS = W >= 16 ? 28 : 14;
@@ -439,8 +691,9 @@ static void pv_fused(const float* P, const TileSrc& ts, int a, int b, int D, flo
   constexpr int DS = DC / NV;
   const int nsteps = D / W / NV;
   int u = 0;
-  for (; u + DS <= nsteps; u += DS) pv_fused_block<KIND, VEC, PERM, MB, DS>(P, ts, a, b, D, u, acc);
-  for (; u < nsteps; ++u) pv_fused_block<KIND, VEC, PERM, MB, 1>(P, ts, a, b, D, u, acc);
+  for (; u + DS <= nsteps; u += DS)
+    pv_fused_block<KIND, VEC, PERM, MB, DS, FOLD>(P, ts, a, b, D, u, acc, PS, ngs);
+  for (; u < nsteps; ++u) pv_fused_block<KIND, VEC, PERM, MB, 1, FOLD>(P, ts, a, b, D, u, acc, PS, ngs);
 }
 
 // Row counts the fused kernels are instantiated for (M is padded up to one of them).
@@ -460,17 +713,32 @@ static void qk_fused_kind(KT<KIND, VEC, PERM>, int MBq, const float* Q, const Ti
     default: qk_fused<KIND, VEC, PERM, (16 <= W ? 16 : 1)>(Q, ts, nt, D, S); return;
   }
 }
+template <int KIND, bool VEC, bool PERM, bool FOLD>
+static void pv_fused_rows(int M, const float* P, const TileSrc& ts, int a, int b, int D,
+                          float* acc, const float* PS, int ngs) {
+  switch (M) {
+    case 1: pv_fused<KIND, VEC, PERM, 1, FOLD>(P, ts, a, b, D, acc, PS, ngs); return;
+    case 2: pv_fused<KIND, VEC, PERM, 2, FOLD>(P, ts, a, b, D, acc, PS, ngs); return;
+    case 3: pv_fused<KIND, VEC, PERM, 3, FOLD>(P, ts, a, b, D, acc, PS, ngs); return;
+    case 4: pv_fused<KIND, VEC, PERM, 4, FOLD>(P, ts, a, b, D, acc, PS, ngs); return;
+    case 8: pv_fused<KIND, VEC, PERM, 8, FOLD>(P, ts, a, b, D, acc, PS, ngs); return;
+    default: pv_fused<KIND, VEC, PERM, (16 <= W ? 16 : 8), FOLD>(P, ts, a, b, D, acc, PS, ngs);
+      return;
+  }
+}
+// Kinds whose value is raw * scale + zero with a scale per token / group / layer.
+template <int KIND, bool VEC>
+constexpr bool foldable() {
+  return !VEC && (KIND == K_U8 || KIND == K_U4 || KIND == K_U2 || KIND == K_N4 ||
+                  KIND == K_N3 || KIND == K_N2);
+}
 template <int KIND, bool VEC, bool PERM>
 static void pv_fused_kind(KT<KIND, VEC, PERM>, int M, const float* P, const TileSrc& ts, int a,
-                          int b, int D, float* acc) {
-  switch (M) {
-    case 1: pv_fused<KIND, VEC, PERM, 1>(P, ts, a, b, D, acc); return;
-    case 2: pv_fused<KIND, VEC, PERM, 2>(P, ts, a, b, D, acc); return;
-    case 3: pv_fused<KIND, VEC, PERM, 3>(P, ts, a, b, D, acc); return;
-    case 4: pv_fused<KIND, VEC, PERM, 4>(P, ts, a, b, D, acc); return;
-    case 8: pv_fused<KIND, VEC, PERM, 8>(P, ts, a, b, D, acc); return;
-    default: pv_fused<KIND, VEC, PERM, (16 <= W ? 16 : 8)>(P, ts, a, b, D, acc); return;
-  }
+                          int b, int D, float* acc, const float* PS = nullptr, int ngs = 0) {
+  if (foldable<KIND, VEC>() && PS)
+    pv_fused_rows<KIND, VEC, PERM, foldable<KIND, VEC>()>(M, P, ts, a, b, D, acc, PS, ngs);
+  else
+    pv_fused_rows<KIND, VEC, PERM, false>(M, P, ts, a, b, D, acc, PS, ngs);
 }
 template <int KIND, bool VEC, bool PERM>
 static void decode_tile_kind(KT<KIND, VEC, PERM>, const TileSrc& ts, int nt, int D, float* out) {
@@ -644,9 +912,9 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   const bool fused = T.nq == 1 && M <= W;
   const int MBq = fused ? fused_rows(M) : 0;
   const int MBp = fused ? (M <= 4 ? M : fused_rows(M)) : 0;
-  const bool kperm = fused && can_perm(P.kc, D), vperm = fused && can_perm(P.vc, D);
-  const int kpk = kperm ? (P.kc.bits == 4 ? K_U4 : K_U2) : -1;
+  const bool vperm = fused && can_perm(P.vc, D);
   const int vpk = vperm ? (P.vc.bits == 4 ? K_U4 : K_U2) : -1;
+  bool iqk = fused && P.int_qk && int_qk_ok(P.kc, D);  // integer Q.K (decided below)
 
   float* Q = scratch;
   float* Qk = Q + (size_t)Mp * D;  // Q in the K side's decode order (permuted or = Q)
@@ -667,6 +935,19 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   tb.u8 = (uint8_t*)(pq + Mp);  // TT * D bytes
   tb.f32 = (float*)(tb.u8 + (size_t)TT * D);  // TT * D floats
   tb.lut = tb.f32 + (size_t)TT * D;            // 16 * D floats
+  // integer Q.K
+  int8_t* q8 = (int8_t*)(tb.lut + (size_t)16 * D);  // Mp * D int8 query (code order)
+  float* qsc = (float*)(q8 + (size_t)Mp * D);       // Mp row scales
+  float* qsum = qsc + Mp;                           // Mp * ng: qs * group sums of q8
+  float* zt = qsum + (size_t)Mp * (D / 4);          // TT * ng: the tile's zeros, transposed
+  float* zsum = zt + (size_t)TT * (D / 4);          // Mp: q . z (per-channel keys)
+  int32_t* lidx = (int32_t*)(zsum + Mp);            // W: lane -> group within a chunk
+  int32_t* gbase = lidx + W;                        // D / CW: first group of each chunk
+  // P.V with folded value scales
+  float* PS = (float*)(gbase + 64);                 // Mp * (D/16) * SL weights P * s
+  float* vsT = PS + (size_t)Mp * (D / 16) * SL;     // (D/16) * TT value scales, transposed
+  float* vzT = vsT + (size_t)(D / 16) * TT;         // (D/16) * TT value zeros, transposed
+  float* zp = vzT + (size_t)(D / 16) * TT;          // Mp * (D/16): sum_t P z
 
   for (int i = 0; i < T.nq; ++i) {
     const int p = T.pos0 + i;
@@ -692,7 +973,40 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   const bool vfp8 = fused && (P.vc.encoding == kvq::ENC_FP8_E4M3 ||
                               P.vc.encoding == kvq::ENC_FP8_E5M2);
   const bool ktok = P.kc.granularity == kvq::GRAN_TOKEN, vtok = P.vc.granularity == kvq::GRAN_TOKEN;
-  if (kperm) {
+  // P.V with the value scale folded into P (see pv_fused_block FOLD)
+  const bool vfold = fused && (P.vc.encoding == kvq::ENC_INT || P.vc.encoding == kvq::ENC_NUQ) &&
+                     P.vc.granularity != kvq::GRAN_CHANNEL && P.vc.granularity != kvq::GRAN_NONE;
+  const int vng = P.vc.granularity == kvq::GRAN_GROUP ? D / P.vc.group : 1;
+  if (vfold)  // rows >= M of the folded weights stay 0 (the kernels run MB >= M rows)
+    for (int64_t x = 0; x < (int64_t)Mp * vng * SL; ++x) PS[x] = 0.0f;
+  // Integer Q.K: only for finite query rows (a NaN/Inf query takes the exact path, which
+  // propagates it like the reference).
+  if (iqk)
+    for (int64_t x = 0; x < (int64_t)M * D && iqk; ++x) iqk = fabsf(Q[x]) <= 3.0e38f;
+  const bool ichn = iqk && P.kc.granularity == kvq::GRAN_CHANNEL;
+  const bool igrp = iqk && P.kc.granularity == kvq::GRAN_GROUP;
+  const int kbits = P.kc.bits;
+  const int ng = igrp ? D / P.kc.group : 1;
+  const bool kperm = fused && !iqk && can_perm(P.kc, D);
+  const int kpk = kperm ? (P.kc.bits == 4 ? K_U4 : K_U2) : (ichn ? kPermInt + kbits : -1);
+  if (iqk) {
+    for (int m = 0; m < Mp; ++m)  // Q in code order
+      for (int p = 0; p < D; ++p) Qk[(int64_t)m * D + p] = Q[(int64_t)m * D + ichan(kbits, p)];
+    for (int l = 0; l < W; ++l) lidx[l] = igrp ? ichan(kbits, 4 * l) / P.kc.group : 0;
+    for (int c = 0; c < D / CW; ++c) gbase[c] = igrp ? c * CW / P.kc.group : 0;
+    if (!ichn) {
+      for (int m = 0; m < Mp; ++m) {
+        const int8_t* qr = q8 + (int64_t)m * D;
+        qsc[m] = quantize_q8(Qk + (int64_t)m * D, D, q8 + (int64_t)m * D);
+        for (int g = 0; g < ng; ++g) qsum[m * ng + g] = 0.0f;
+        int32_t isum[128] = {0};
+        for (int p = 0; p < D; ++p) isum[igrp ? ichan(kbits, p) / P.kc.group : 0] += qr[p];
+        for (int g = 0; g < ng; ++g) qsum[m * ng + g] = (float)isum[g] * qsc[m];
+        if (m < M)  // the staging keys read the rounded query too
+          for (int p = 0; p < D; ++p) Q[(int64_t)m * D + ichan(kbits, p)] = (float)qr[p] * qsc[m];
+      }
+    }
+  } else if (kperm) {
     for (int m = 0; m < Mp; ++m)
       for (int p = 0; p < D; ++p) Qk[(int64_t)m * D + p] = Q[(int64_t)m * D + perm_chan(kpk, p)];
   } else if (kfp8 && !ktok) {
@@ -710,6 +1024,10 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   Seg segs[TT / 16 + 2];
   TileSrc ks, vs;
   ks.gshift = vs.gshift = 30;
+  for (int i = 0; i < 16; ++i) {
+    ks.lev[i] = P.k_levels ? P.k_levels[i % (1 << P.kc.bits)] : 0.0f;
+    vs.lev[i] = P.v_levels ? P.v_levels[i % (1 << P.vc.bits)] : 0.0f;
+  }
   for (int j = T.kbeg; j < T.kend;) {
     const int jt0 = j;
     int nt = 0, ns = 0, nkc = 0;
@@ -718,7 +1036,8 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
       const int cnt = imin(imin(TT - nt, B - off), T.kend - j);
       const uint8_t* plane = hbase + (int64_t)btrow[blk] * P.c_sb;
       segs[ns++] = Seg{plane, off, cnt, nt};
-      prep_segment(P.kc, P.lay.k, plane, off, cnt, nt, D, kst, tb, nkc, ks, kpk, P.k_levels);
+      prep_segment(P.kc, P.lay.k, plane, off, cnt, nt, D, kst, tb, nkc, ks, kpk, P.k_levels,
+                   fused);
       nt += cnt;
       j += cnt;
     }
@@ -737,8 +1056,57 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
       lo[m] = 0;
       hi[m] = iclamp(Fq[m / gq] - jt0, 0, nt);
     }
-    if (fused) {
-      with_kind(P.kc, kperm, [&](auto k) { qk_fused_kind(k, MBq, Qk, ks, nt, D, S); });
+    if (iqk && ichn) {
+      // per-channel scales: fold each scale row into the query, one run of tokens per row
+      for (int t = 0; t < nt;) {
+        int e = t + 1;
+        while (e < nt && ks.sv[e] == ks.sv[t]) ++e;
+        const float* sc = ks.sv[t];
+        const float* zc = ks.zv[t];
+        for (int m = 0; m < MBq; ++m) {
+          const float* qr = Qk + (int64_t)m * D;
+          VF zs = vzero();
+          for (int d = 0; d < D; d += W) {
+            vstore(KV + d, vmul(vload(qr + d), vload(sc + d)));
+            zs = vfma(vload(qr + d), vload(zc + d), zs);
+          }
+          qsc[m] = quantize_q8(KV, D, q8 + (int64_t)m * D);
+          zsum[m] = vhsum(zs);
+        }
+        qk_int_kind(kbits, false, MBq, q8, D, ks, t, e, lidx, gbase, S);
+        for (int m = 0; m < M; ++m)
+          for (int u = t; u < e; ++u) S[m * SL + u] = S[m * SL + u] * qsc[m] + zsum[m];
+        t = e;
+      }
+    } else if (iqk) {
+      qk_int_kind(kbits, igrp, MBq, q8, D, ks, 0, nt, lidx, gbase, S);
+      if (igrp) {
+        for (int t = 0; t < nt; ++t)
+          for (int g = 0; g < ng; ++g) zt[g * TT + t] = ks.zv[t][g];
+        for (int m = 0; m < M; ++m)
+          for (int t = 0; t < nt; t += W) {
+            VF a = vmul(vload(S + m * SL + t), vset(qsc[m]));
+            for (int g = 0; g < ng; ++g)
+              a = vfma(vload(zt + g * TT + t), vset(qsum[m * ng + g]), a);
+            vstore(S + m * SL + t, a);
+          }
+      } else if (ktok) {  // one scale per token: contiguous over the tile
+        const float* sp = ks.sv[0];
+        const float* zp = ks.zv[0];
+        for (int m = 0; m < M; ++m)
+          for (int t = 0; t < nt; t += W)
+            vstore(S + m * SL + t,
+                   vfma(vmul(vload(S + m * SL + t), vset(qsc[m])), vload(sp + t),
+                        vmul(vload(zp + t), vset(qsum[m]))));
+      } else {  // static scale
+        for (int m = 0; m < M; ++m) {
+          const float a = qsc[m] * ks.sv[0][0], b = ks.zv[0][0] * qsum[m];
+          for (int t = 0; t < nt; ++t) S[m * SL + t] = S[m * SL + t] * a + b;
+        }
+      }
+    } else if (fused) {
+      with_kind(P.kc, kperm, [&](auto k) { qk_fused_kind(k, MBq, Qk, ks, nt, D, S); }, true);
+      if (P.kc.outliers) outlier_fix_k(P.kc, ks, nt, M, D, Qk, S);
       if (kfp8 && ktok)
         for (int m = 0; m < M; ++m)
           for (int t = 0; t < nt; ++t) S[m * SL + t] *= ks.sv[t][0];
@@ -750,14 +1118,62 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
     int nvc = 0;
     for (int k = 0; k < ns; ++k)
       prep_segment(P.vc, P.lay.v, segs[k].plane, segs[k].off, segs[k].cnt, segs[k].at, D, vst,
-                   tb, nvc, vs, vpk, P.v_levels);
+                   tb, nvc, vs, vpk, P.v_levels, fused);
     if (fused) {
       if (vfp8 && vtok)
         for (int m = 0; m < M; ++m)
           for (int t = lo[0]; t < hi[0]; ++t) S[m * SL + t] *= vs.sv[t][0];
-      if (lo[0] < hi[0])
+      const int a = lo[0], b = hi[0];
+      if (a < b && vfold) {
+        // PS[m][g][t] = P[m][t] * s[t][g]; zp[m][g] = sum_{t in [a,b)} P[m][t] * z[t][g]
+        const float *sT, *zT;
+        int sstride;
+        if (P.vc.granularity == kvq::GRAN_GROUP) {
+          for (int t = 0; t < nt; ++t)
+            for (int g = 0; g < vng; ++g) {
+              vsT[g * TT + t] = vs.sv[t][g];
+              vzT[g * TT + t] = vs.zv[t][g];
+            }
+          sT = vsT; zT = vzT; sstride = TT;
+        } else if (P.vc.granularity == kvq::GRAN_TOKEN) {
+          sT = vs.sv[0]; zT = vs.zv[0]; sstride = 0;
+        } else {  // static scale
+          for (int t = 0; t < nt; ++t) { vsT[t] = vs.sv[0][0]; vzT[t] = vs.zv[0][0]; }
+          sT = vsT; zT = vzT; sstride = 0;
+        }
+        const bool full = a == 0 && b == nt && nt % W == 0;
+        for (int m = 0; m < M; ++m)
+          for (int g = 0; g < vng; ++g) {
+            const float* sg = sT + g * sstride;
+            const float* zg = zT + g * sstride;
+            float* ps = PS + ((int64_t)m * vng + g) * SL;
+            const float* pr = S + m * SL;
+            VF zs = vzero();
+            for (int t = 0; t < nt; t += W) {
+              const VF pv = vload(pr + t);
+              vstore(ps + t, vmul(pv, vload(sg + t)));
+              if (full) zs = vfma(pv, vload(zg + t), zs);
+            }
+            float z = vhsum(zs);
+            if (!full) {
+              z = 0.0f;
+              for (int t = a; t < b; ++t) z += pr[t] * zg[t];
+            }
+            zp[m * vng + g] = z;
+          }
         with_kind(P.vc, vperm,
-                  [&](auto k) { pv_fused_kind(k, MBp, S, vs, lo[0], hi[0], D, acc); });
+                  [&](auto k) { pv_fused_kind(k, MBp, S, vs, a, b, D, acc, PS, vng); }, true);
+        const int gsh = vs.gshift;
+        for (int m = 0; m < M; ++m)
+          for (int c = 0; c < D / W; ++c) {
+            float* ar = acc + (int64_t)m * D + c * W;
+            vstore(ar, vadd(vload(ar), vset(zp[m * vng + (c >> gsh)])));
+          }
+      } else if (a < b) {
+        with_kind(P.vc, vperm,
+                  [&](auto k) { pv_fused_kind(k, MBp, S, vs, a, b, D, acc); }, true);
+      }
+      if (P.vc.outliers && lo[0] < hi[0]) outlier_fix_v(P.vc, vs, lo[0], hi[0], M, D, S, acc);
     } else {
       with_kind(P.vc, false, [&](auto k) { decode_tile_kind(k, vs, nt, D, KV); });
       pv_tile(S, M, KV, lo, hi, D, acc);

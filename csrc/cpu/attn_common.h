@@ -41,6 +41,8 @@ struct AttnParams {
   const float* k_levels;    // [2^bits] nuq codebook of the K / V codec (nullptr if not nuq)
   const float* v_levels;
   float* partials;          // split tasks' partial results (AttnTask::part offsets)
+  int32_t int_qk;           // 1: decode tasks may use the int8-query Q.K for int keys
+                            // (attn_body.h "integer Q.K"); 0: exact fp32 Q.K everywhere
 };
 
 // One unit of work: a tile of consecutive query tokens of one sequence, one kv head (all
@@ -66,7 +68,9 @@ inline size_t partial_floats(int M, int D) { return (size_t)M * (2 + D); }
 inline size_t scratch_floats(int max_rows, int D) {
   const size_t M = (size_t)(max_rows < 16 ? 16 : max_rows), TT = kTileTokens;
   return M * D * 3 + M * TT + TT * D + 2 * TT * (D / 16) + 8 * (size_t)D + 6 * M +
-         TT * D / 4 + TT * D + 16 * (size_t)D + 256;
+         TT * D / 4 + TT * D + 16 * (size_t)D + 256 +
+         M * D / 4 + M * (D / 4 + 2) + TT * (D / 4) + 64 +   // integer Q.K: q8, qs/qsum, zt
+         M * (D / 16) * TT + 2 * (D / 16) * TT + M * (D / 16) + 64;  // folded P.V: PS, s/z, zp
 }
 
 using TaskFn = void (*)(const AttnParams&, const AttnTask&, float* scratch);

@@ -121,6 +121,68 @@ static inline VF ld_e5m2(const uint8_t* p) {
   return r;
 }
 
+static inline VF ld_t4(const uint8_t* p, const float* tab) {
+  VF r;
+  for (int i = 0; i < W; ++i) r.v[i] = tab[(p[i >> 1] >> ((i & 1) * 4)) & 15];
+  return r;
+}
+static inline VF ld_t3(const uint8_t* p, const float* tab) {
+  VF r;
+  for (int i = 0; i < W; ++i) {
+    const uint8_t* g = p + (i / 8) * 3;
+    const uint32_t w = (uint32_t)g[0] | ((uint32_t)g[1] << 8) | ((uint32_t)g[2] << 16);
+    r.v[i] = tab[(w >> (3 * (i % 8))) & 7];
+  }
+  return r;
+}
+static inline VF ld_t2(const uint8_t* p, const float* tab) {
+  VF r;
+  for (int i = 0; i < W; ++i) r.v[i] = tab[(p[i >> 2] >> ((i & 3) * 2)) & 3];
+  return r;
+}
+
+// ---- integer vectors for the int8-query Q.K (see attn_body.h "integer Q.K") -------------
+// The plain-C statement of the integer arithmetic the SIMD paths compute (exactly).
+struct VI {
+  int32_t i[W];  // W int32 lanes, or 4W bytes (u8 codes / s8 query)
+};
+static inline VI ci_zero() { VI r; memset(&r, 0, sizeof(r)); return r; }
+template <bool SMALL>
+static inline VI ci_dot(VI acc, VI c, VI q) {
+  const uint8_t* cb = (const uint8_t*)c.i;
+  const int8_t* qb = (const int8_t*)q.i;
+  for (int l = 0; l < W; ++l)
+    for (int k = 0; k < 4; ++k) acc.i[l] += (int32_t)cb[4 * l + k] * (int32_t)qb[4 * l + k];
+  return acc;
+}
+static inline VF ci_tof(VI a) { VF r; for (int l = 0; l < W; ++l) r.v[l] = (float)a.i[l]; return r; }
+static inline VI ld_q8(const int8_t* p) { VI r; memcpy(r.i, p, sizeof(r.i)); return r; }
+static inline VI ld_c8(const uint8_t* p) { VI r; memcpy(r.i, p, sizeof(r.i)); return r; }
+static inline VI ld_c4(const uint8_t* p) {
+  VI r;
+  uint8_t* b = (uint8_t*)r.i;
+  for (int i = 0; i < 2 * W; ++i) {
+    b[i] = p[i] & 15;
+    b[2 * W + i] = p[i] >> 4;
+  }
+  return r;
+}
+static inline VI ld_c2(const uint8_t* p) {
+  VI r;
+  uint8_t* b = (uint8_t*)r.i;
+  for (int k = 0; k < 4; ++k)
+    for (int i = 0; i < W; ++i) b[k * W + i] = (p[i] >> (2 * k)) & 3;
+  return r;
+}
+static inline VF vperm_tab(const float* tab, const int32_t* idx) {
+  VF r;
+  for (int l = 0; l < W; ++l) r.v[l] = tab[idx[l]];
+  return r;
+}
+static inline void vq8_store(VF x, VF inv, int8_t* dst) {
+  for (int l = 0; l < W; ++l) dst[l] = (int8_t)(int32_t)rintf(x.v[l] * inv.v[l]);
+}
+
 #include "attn_body.h"
 
 const TaskFn run_task = &run_task_impl;
