@@ -11,7 +11,9 @@ Impl. Registered as AttentionBackendEnum.CUSTOM by vllm_kvq.plugin; selected wit
   residual window needs the step's metadata. With a residual window, tokens are quantized
   in aligned chunks; the recent ones live in a per-layer full-precision pool whose slots
   vllm_kvq.residual assigns.
-- Reads: one kernel call per layer for the whole mixed batch (vllm_kvq.ops).
+- Reads: decodes and short chunks (vLLM orders them first, reorder_batch_threshold) in one
+  paged-kernel call per layer (vllm_kvq.ops); long prefills after them through torch's
+  flash attention over their pages dequantized once (vllm_kvq.prefill).
 - nuq formats: each layer passes its own codebooks (the calibration file's levels for that
   layer index, taken from the layer name, e.g. model.layers.12.self_attn.attn -> 12).
 """
@@ -28,7 +30,7 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, Attentio
                                        CommonAttentionMetadata, MultipleOf)
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from vllm_kvq import ops
+from vllm_kvq import ops, prefill
 from vllm_kvq.config import (KVQConfig, config_from_vllm, layer_index, model_levels,
                              residual_slot_count)
 from vllm_kvq.formats import SUPPORTED_HEAD_SIZES
@@ -111,9 +113,16 @@ class KVQMetadata:
     final_rows: torch.Tensor | None = None
     final_slots: torch.Tensor | None = None
     keep: tuple[torch.Tensor, ...] | None = None
+    # decodes / short chunks first (reorder_batch_threshold), long prefills after them on
+    # the flash path (vllm_kvq.prefill); None: the paged kernel for the whole batch
+    split: prefill.Split | None = None
 
 
 class KVQMetadataBuilder(AttentionMetadataBuilder[KVQMetadata]):
+    # vLLM puts sequences with at most this many query tokens first in the batch; the
+    # longer ones after them go to the flash prefill path (vllm_kvq.prefill)
+    reorder_batch_threshold: int = prefill.PREFILL_MIN_QUERY - 1
+
     def __init__(self, kv_cache_spec: AttentionSpec, layer_names: list[str],
                  vllm_config: VllmConfig, device: torch.device) -> None:
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -132,7 +141,11 @@ class KVQMetadataBuilder(AttentionMetadataBuilder[KVQMetadata]):
                          seq_lens=cam.seq_lens[:S],
                          block_table=cam.block_table_tensor[:S],
                          slot_mapping=cam.slot_mapping, plan=None)
+        on_cpu = self.device.type == "cpu"
         if self.slots is None:
+            if on_cpu and cam.max_query_len >= prefill.PREFILL_MIN_QUERY:
+                md.split = prefill.plan(cam.query_start_loc_cpu[:S + 1].tolist(),
+                                        cam.seq_lens[:S].tolist())
             return md
         qsl = cam.query_start_loc_cpu[:S + 1].tolist()
         seq_lens = cam.seq_lens[:S].cpu().tolist()
@@ -140,6 +153,8 @@ class KVQMetadataBuilder(AttentionMetadataBuilder[KVQMetadata]):
         md.plan = plan
         for name, value in plan_tensors(plan, self.device).items():
             setattr(md, name, value)
+        if on_cpu and cam.max_query_len >= prefill.PREFILL_MIN_QUERY:
+            md.split = prefill.plan(qsl, seq_lens, plan.staging_start, plan.staging_pos0)
         return md
 
 
@@ -217,12 +232,12 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
         if md.plan is None:
             lops.write(k, v, kv_cache, md.slot_mapping[:n])
             lops.attend(query[:n], kv_cache, md.block_table, md.seq_lens, md.query_start_loc,
-                        self.scale, output[:n])
+                        self.scale, output[:n], split=md.split)
         else:
             st_k, st_v = stage_and_write(md, k, v, self._residual_pool(k),
                                          lambda sk, sv, slots: lops.write(sk, sv, kv_cache,
                                                                           slots))
             lops.attend(query[:n], kv_cache, md.block_table, md.seq_lens, md.query_start_loc,
                         self.scale, output[:n], st_k, st_v, md.staging_start_loc,
-                        md.staging_pos0)
+                        md.staging_pos0, split=md.split)
         return output

@@ -75,7 +75,7 @@ def plan(query_start_loc: list[int], seq_lens: list[int], staging_start: list[in
 
 
 def _tile(R: int) -> int:
-    return max(R, 128)
+    return max(R, 256)
 
 
 def _edges(p_first: int, p_last: int, R: int) -> tuple[int, int, int]:
@@ -84,6 +84,28 @@ def _edges(p_first: int, p_last: int, R: int) -> tuple[int, int, int]:
     (F(p_first) = p_first + 1): then A = p_first, so that B holds a key of every row."""
     Fa, Fb = (p_first + 1) // R * R, (p_last + 1) // R * R
     return (p_first if Fa == p_first + 1 else Fa), Fa, Fb
+
+
+def _tiles(ctx: int, L: int, R: int, T: int) -> list[tuple[int, int, int, int, int]]:
+    """(first, last position, A, Fa, Fb) of the tiles of positions [ctx, L)."""
+    out, pa = [], ctx
+    while pa < L:
+        pb = min(((pa + 1) // T + 1) * T - 2, L - 1)  # tile edges where (p + 1) % T == 0
+        out.append((pa, pb) + _edges(pa, pb, R))
+        pa = pb + 1
+    return out
+
+
+def _gather_index(ctx: int, L: int, pos0: int, R: int, T: int, masks: dict) -> torch.Tensor:
+    """Positions in the [pages (Lp) | staging from pos0] buffer of every tile's B keys."""
+    key = ("idx", ctx, L, pos0, R, T)
+    idx = masks.get(key)
+    if idx is None:
+        Lp = L // R * R
+        idx = torch.cat([torch.cat([torch.arange(A, Fb), Lp + torch.arange(Fa, pb + 1) - pos0])
+                         for pa, pb, A, Fa, Fb in _tiles(ctx, L, R, T)])
+        masks[key] = idx
+    return idx
 
 
 def _band_mask(p_first: int, p_last: int, R: int, dtype, masks: dict) -> torch.Tensor:
@@ -117,8 +139,11 @@ def attend_prefills(lops, query: torch.Tensor, cache: torch.Tensor, block_table:
         n = ps.q1 - ps.q0
         ctx = ps.L - n
         Lp = ps.L // R * R
-        K = torch.empty(1, H, Lp, D, dtype=dt)
-        V = torch.empty(1, H, Lp, D, dtype=dt)
+        Ns = ps.L - ps.pos0 if R > 1 else 0  # staging rows of this sequence
+        # pages [0, Lp) then (R > 1) staging positions pos0.. in one buffer per side
+        KS = torch.empty(1, H, Lp + Ns, D, dtype=dt)
+        VS = torch.empty(1, H, Lp + Ns, D, dtype=dt)
+        K, V = KS[:, :, :Lp], VS[:, :, :Lp]
         if Lp:
             lops._ops.dequantize_pages(cache, block_table[ps.s], Lp, lops.k_codec, lops.v_codec,
                                        lops.k_scale, lops.v_scale, lops.k_levels,
@@ -129,25 +154,29 @@ def attend_prefills(lops, query: torch.Tensor, cache: torch.Tensor, block_table:
             o.copy_(F.scaled_dot_product_attention(q, K, V, is_causal=True, scale=softmax_scale,
                                                    enable_gqa=True)[0])
             continue
-        a = 0
-        while a < n:
-            pa = ctx + a
-            pb = min(((pa + 1) // T + 1) * T - 2, ps.L - 1)  # last position of the tile
-            b = pb - ctx + 1
-            A, Fa, Fb = _edges(pa, pb, R)
+        tiles = _tiles(ctx, ps.L, R, T)
+        if R > 1:  # every tile's B keys, gathered in one pass: [tile 0 | tile 1 | ...]
+            KS[0, :, Lp:].copy_(staging_k[ps.st0:ps.st0 + Ns].transpose(0, 1))
+            VS[0, :, Lp:].copy_(staging_v[ps.st0:ps.st0 + Ns].transpose(0, 1))
+            idx = _gather_index(ctx, ps.L, ps.pos0, R, T, split.masks)
+            KB, VB = KS.index_select(2, idx), VS.index_select(2, idx)
+        off = 0
+        for pa, pb, A, Fa, Fb in tiles:
+            a, b = pa - ctx, pb - ctx + 1
             qt = q[:, :, a:b]
-            kb, vb = K[:, :, A:Fb], V[:, :, A:Fb]
-            if R > 1:  # staging row of position j: st0 + j - pos0
-                rows = slice(ps.st0 + Fa - ps.pos0, ps.st0 + pb + 1 - ps.pos0)
-                kb = torch.cat([kb, staging_k[rows].transpose(0, 1).unsqueeze(0)], 2)
-                vb = torch.cat([vb, staging_v[rows].transpose(0, 1).unsqueeze(0)], 2)
+            if R > 1:
+                w = (Fb - A) + (pb + 1 - Fa)
+                kb, vb = KB[:, :, off:off + w], VB[:, :, off:off + w]
+                off += w
+            else:
+                kb, vb = K[:, :, A:Fb], V[:, :, A:Fb]
             ob, lb = _flash(qt, kb, vb, attn_mask=_band_mask(pa, pb, R, dt, split.masks),
                             scale=softmax_scale)
             if A == 0:
                 o[:, a:b].copy_(ob[0])
             else:
                 oa, la = _flash(qt, K[:, :, :A], V[:, :, :A], scale=softmax_scale)
-                lse = torch.logaddexp(la, lb)
-                o[:, a:b].copy_((oa.float() * (la - lse).exp_().unsqueeze(-1) +
-                                 ob.float() * (lb - lse).exp_().unsqueeze(-1))[0])
-            a = b
+                # softmax over both key sets: oa + (ob - oa) * exp(lb) / (exp(la) + exp(lb)),
+                # one pass written straight into out (few big ops: each is a parallel region)
+                w8 = torch.sigmoid(lb - la).to(dt).unsqueeze(-1)
+                torch.lerp(oa[0], ob[0], w8[0], out=o[:, a:b])
