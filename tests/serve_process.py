@@ -21,13 +21,21 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def server(method: str):
+    """`vllm-kvq serve` with the tests' fixed settings."""
     port = free_port()
     exe = shutil.which("vllm-kvq") or os.path.join(os.path.dirname(sys.executable), "vllm-kvq")
     cmd = [exe, "serve", "--kv-method", method, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "2048",
            "--kv-cache-memory-bytes", str(256 << 20), "--api-key", API_KEY, "--seed", "0"]
-    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kvq-serve-{method}.log"), "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    with running(cmd, port, f"kvq-serve-{method}") as base:
+        yield base
+
+
+@contextlib.contextmanager
+def running(cmd: list[str], port: int, name: str, env: dict | None = None):
+    """A server command until it answers /health on `port`; stopped on exit."""
+    log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), f"{name}.log"), "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.time() + 600

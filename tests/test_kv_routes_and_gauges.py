@@ -137,8 +137,8 @@ def test_serve_defaults_hold_flag_by_flag(serve_argv, monkeypatch):
 def test_serve_budget_fits_what_is_free():
     gib = 1 << 30
     # half of what is left after weights (x2) and the margin, in 64 MiB steps
-    flags, notes = with_defaults("/nonexistent", [], {}, available=12 * gib)
-    assert flags[flags.index("--kv-cache-memory-bytes") + 1] == str((12 - 1 - 2) * gib // 2)
+    flags, notes = with_defaults("/nonexistent", [], {}, available=6 * gib)
+    assert flags[flags.index("--kv-cache-memory-bytes") + 1] == str((6 - 1 - 2) * gib // 2)
     assert "no KV budget given" in notes[0]
     flags, _ = with_defaults("/nonexistent", [], {}, available=100 * gib)
     assert flags[flags.index("--kv-cache-memory-bytes") + 1] == str(MAX_BUDGET)

@@ -15,7 +15,7 @@ from pathlib import Path
 DEFAULT_MAX_NUM_SEQS = 16
 MARGIN = 2 << 30          # left free for the server process, activations, the tokenizer
 MIN_BUDGET = 256 << 20
-MAX_BUDGET = 8 << 30
+MAX_BUDGET = 2 << 30   # a first try, not a dedicated server: pass the flag for more
 BUDGET_FLAGS = ("--kv-cache-memory-bytes", "--gpu-memory-utilization")
 
 

@@ -39,7 +39,7 @@ _registered: dict[str, Any] = {}
 
 def kv_summary(vllm_config) -> dict[str, Any]:
     """The active KV configuration with its exact sizes (the JSON of `GET /kvq/config`)."""
-    from vllm_kvq.plugin import residual_pool_taken, uses_kvq
+    from vllm_kvq.plugin import residual_pool_taken, stage_layers, uses_kvq
 
     model = vllm_config.model_config
     cache = vllm_config.cache_config
@@ -75,6 +75,9 @@ def kv_summary(vllm_config) -> dict[str, Any]:
         cfg = config_from_vllm(vllm_config)
         fmt = cfg.fmt
         per_head = fmt.bytes_per_token(head_dim, block_size)
+        worker_pool = (fmt.residual_bytes_per_seq(stage_layers(vllm_config), heads, head_dim,
+                                                  model.dtype.itemsize)
+                       * residual_slot_count(vllm_config) if fmt.residual_tokens else 0)
         residual_per_seq = (fmt.residual_bytes_per_seq(layers, heads, head_dim,
                                                        model.dtype.itemsize)
                             if fmt.residual_tokens else 0)
@@ -88,10 +91,12 @@ def kv_summary(vllm_config) -> dict[str, Any]:
             "residual_tokens": fmt.residual_tokens,
             "residual_bytes_per_seq": residual_per_seq,
             "residual_pool_bytes": residual_per_seq * residual_slot_count(vllm_config),
+            # each worker's budget holds its pipeline stage's share of the pool
+            "residual_pool_bytes_per_worker": worker_pool,
             "config": cfg.to_dict(),
         })
         if residual_pool_taken(cache):  # plugin.py took it out of the explicit budget
-            out["kv_budget_bytes"] = cache.kv_cache_memory_bytes + out["residual_pool_bytes"]
+            out["kv_budget_bytes"] = cache.kv_cache_memory_bytes + worker_pool
     else:
         dtype = cache.cache_dtype
         elem = 1 if str(dtype).startswith("fp8") else model.dtype.itemsize
