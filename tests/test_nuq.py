@@ -146,7 +146,7 @@ def test_nuq_needs_a_calibration(tmp_path):
 
 
 def _calibration_file(tmp_path, layers=4, grans=("token", "token_o1", "group32", "channel32")):
-    from vllm_kvq.calibration import CALIBRATION_VERSION, Calibration
+    from vllm_kvq.codebook_file import CALIBRATION_VERSION, Calibration
     tensors = {}
     for side in ("k", "v"):
         for g in grans:
@@ -452,7 +452,7 @@ def test_real_kv_fitted_levels_beat_uniform(real_kv):
 def test_shipped_calibration_serves_the_nuq_aliases():
     """The default model's shipped calibration is found without kvq.calibration and holds
     codebooks for nuq2/3/4 (keys per channel32, values per token with an outlier slot)."""
-    from vllm_kvq.calibration import default_calibration_path
+    from vllm_kvq.codebook_file import default_calibration_path
     from vllm_kvq.model_prep import default_model_dir
     model = str(default_model_dir())
     if default_calibration_path(model) is None:

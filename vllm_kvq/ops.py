@@ -12,7 +12,7 @@ format, static scales and codebooks once, and its `write` / `attend` are the ext
 and nothing else (the C++ TORCH_CHECKs stay the guard of every call).
 
 nuq codecs need their layer's codebooks: k_levels / v_levels, float32 [2^bits] ascending in
-[-1, 1] (vllm_kvq.calibration.Calibration.levels); other codecs take none.
+[-1, 1] (vllm_kvq.codebook_file.Calibration.levels); other codecs take none.
 """
 from __future__ import annotations
 
@@ -129,7 +129,7 @@ def _levels(levels, codec: Codec, name: str, fmt: KVFormat, device) -> torch.Ten
     n = 2 ** codec.bits
     if levels is None:
         _fail(f"format {fmt.name!r}: {name} is required for the nuq codec {codec.describe()}: "
-              f"{n} float32 levels (vllm_kvq.calibration: Calibration.levels)")
+              f"{n} float32 levels (vllm_kvq.codebook_file: Calibration.levels)")
     t = levels if isinstance(levels, torch.Tensor) else torch.as_tensor(levels)
     vals = t.reshape(-1).tolist()
     if len(vals) != n:
