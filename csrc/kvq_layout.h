@@ -16,6 +16,9 @@
 #else
 #define KVQ_HD inline
 #endif
+// Layout arithmetic is constexpr too: the canonical formats' sizes are pinned at compile
+// time (bottom of this file).
+#define KVQ_LAYOUT KVQ_HD constexpr
 
 namespace kvq {
 
@@ -85,19 +88,19 @@ struct Layout {
   int32_t padding;       // plane_bytes - sum of field bytes: alignment gaps + rounding to C
 };
 
-KVQ_HD int32_t align_up(int32_t x, int32_t a) { return (x + a - 1) / a * a; }
+KVQ_LAYOUT int32_t align_up(int32_t x, int32_t a) { return (x + a - 1) / a * a; }
 
-KVQ_HD bool has_stored_scale(const Codec& c) {
+KVQ_LAYOUT bool has_stored_scale(const Codec& c) {
   return c.granularity == GRAN_TOKEN || c.granularity == GRAN_GROUP ||
          c.granularity == GRAN_CHANNEL;
 }
-KVQ_HD bool has_stored_zero(const Codec& c) {
+KVQ_LAYOUT bool has_stored_zero(const Codec& c) {
   return has_stored_scale(c) && !c.symmetric &&
          (c.encoding == ENC_INT || c.encoding == ENC_NUQ);
 }
 
 // Index of the scale (and zero) that covers value (token t, channel d) of a block.
-KVQ_HD int32_t scale_index(const Codec& c, int32_t head_dim, int32_t t, int32_t d) {
+KVQ_LAYOUT int32_t scale_index(const Codec& c, int32_t head_dim, int32_t t, int32_t d) {
   switch (c.granularity) {
     case GRAN_TOKEN: return t;
     case GRAN_GROUP: return t * (head_dim / c.group) + d / c.group;
@@ -106,7 +109,7 @@ KVQ_HD int32_t scale_index(const Codec& c, int32_t head_dim, int32_t t, int32_t 
   }
 }
 
-KVQ_HD Region make_region(const Codec& c, int32_t head_dim, int32_t block_size, int32_t off) {
+KVQ_LAYOUT Region make_region(const Codec& c, int32_t head_dim, int32_t block_size, int32_t off) {
   Region r{};
   r.row_bytes = (head_dim * c.bits + 7) / 8;
   r.data_off = off;
@@ -135,7 +138,7 @@ KVQ_HD Region make_region(const Codec& c, int32_t head_dim, int32_t block_size, 
 
 // The layout of one (block, kv_head) plane. Validation (group divides head_dim, ...) is
 // done by the callers' argument checks before this is used.
-KVQ_HD Layout make_layout(const Codec& kc, const Codec& vc, int32_t head_dim,
+KVQ_LAYOUT Layout make_layout(const Codec& kc, const Codec& vc, int32_t head_dim,
                           int32_t block_size) {
   Layout l{};
   l.head_dim = head_dim;
@@ -154,9 +157,38 @@ KVQ_HD Layout make_layout(const Codec& kc, const Codec& vc, int32_t head_dim,
 
 // Full-precision residual window (recent tokens), kept outside vLLM's pages, per running
 // sequence per layer: K and V of up to `residual_tokens` tokens per kv head.
-KVQ_HD int64_t residual_bytes_per_seq_layer(int32_t num_kv_heads, int32_t head_dim,
+KVQ_LAYOUT int64_t residual_bytes_per_seq_layer(int32_t num_kv_heads, int32_t head_dim,
                                             int32_t residual_tokens, int32_t elem_bytes) {
   return (int64_t)2 * num_kv_heads * residual_tokens * head_dim * elem_bytes;
 }
+
+
+// ---- canonical formats, pinned like ggml's block structs ---------------------------------
+// Bytes per token per kv head (K and V, scales, zero-points, outlier slots, alignment) at
+// block size 128; README's tables and `vllm-kvq formats` print these same numbers.
+namespace canonical {
+constexpr Codec kBF16{ENC_BF16, 16, GRAN_NONE, 0, 0, 0};
+constexpr Codec kFP8{ENC_FP8_E4M3, 8, GRAN_TENSOR, 0, 0, 0};
+constexpr Codec kInt8Token{ENC_INT, 8, GRAN_TOKEN, 0, 0, 0};
+constexpr Codec kInt4Group32{ENC_INT, 4, GRAN_GROUP, 32, 0, 0};
+constexpr Codec kInt2Group32{ENC_INT, 2, GRAN_GROUP, 32, 0, 0};
+constexpr Codec kKivi4Keys{ENC_INT, 4, GRAN_CHANNEL, 32, 0, 0};   // kivi4 = these + int4_group32
+constexpr Codec kKivi2Keys{ENC_INT, 2, GRAN_CHANNEL, 32, 0, 0};   // kivi2 = these + int2_group32
+constexpr Codec kNuq3Keys{ENC_NUQ, 3, GRAN_CHANNEL, 32, 0, 1};    // nuq3: 1 outlier slot each
+constexpr Codec kNuq3Values{ENC_NUQ, 3, GRAN_TOKEN, 0, 0, 1};
+constexpr int32_t token_bytes(const Codec& k, const Codec& v, int32_t head_dim) {
+  return make_layout(k, v, head_dim, 128).token_bytes;
+}
+static_assert(token_bytes(kBF16, kBF16, 64) == 256, "bf16, head_dim 64");
+static_assert(token_bytes(kFP8, kFP8, 64) == 128, "fp8_e4m3, head_dim 64");
+static_assert(token_bytes(kInt8Token, kInt8Token, 64) == 136, "int8_token, head_dim 64");
+static_assert(token_bytes(kInt4Group32, kInt4Group32, 64) == 80, "int4_group32, head_dim 64");
+static_assert(token_bytes(kKivi4Keys, kInt4Group32, 64) == 80, "kivi4, head_dim 64");
+static_assert(token_bytes(kKivi2Keys, kInt2Group32, 64) == 48, "kivi2, head_dim 64");
+static_assert(token_bytes(kNuq3Keys, kNuq3Values, 64) == 68, "nuq3, head_dim 64");
+static_assert(token_bytes(kInt4Group32, kInt4Group32, 128) == 160, "int4_group32, head_dim 128");
+static_assert(token_bytes(kKivi2Keys, kInt2Group32, 128) == 96, "kivi2, head_dim 128");
+static_assert(token_bytes(kNuq3Keys, kNuq3Values, 128) == 124, "nuq3, head_dim 128");
+}  // namespace canonical
 
 }  // namespace kvq
