@@ -644,6 +644,7 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& cac
   uint8_t* cbase = cache.data_ptr<uint8_t>();
   const int64_t sb = cache.stride(0), sh = cache.stride(1);
 
+  constexpr int64_t kParallelWriteValues = 16384;  // below this, one thread writes
   // Work items per side: entry index (token codecs) or first entry of a group (channel).
   auto items_for = [&](const Codec& c, const char* side) {
     std::vector<int64_t> items;
@@ -675,7 +676,10 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& cac
     if (n == 0) return;
     const int rows = c.granularity == kvq::GRAN_CHANNEL ? c.group : 1;
     const bool vec = simd_level() >= 1 && D % 8 == 0;
-#pragma omp parallel
+    // A decode step writes a few rows per layer: microseconds of work, less than waking the
+    // thread team (and far less than waiting for a descheduled thread on a busy machine).
+    const bool parallel = n * rows * D >= kParallelWriteValues;
+#pragma omp parallel if (parallel)
     {
       std::vector<float> buf((size_t)rows * D), sbuf((size_t)rows * D);
       std::vector<uint8_t> codes((size_t)rows * D);
