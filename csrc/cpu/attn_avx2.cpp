@@ -156,6 +156,13 @@ static inline VF ld_t2(const uint8_t* p, const float* tab) {  // 2 bytes
   return _mm256_permutevar8x32_ps(_mm256_loadu_ps(tab), v);
 }
 
+// lane l = base[l * stride]
+static inline VF vgather(const float* base, int stride) {
+  const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                         _mm256_set1_epi32(stride));
+  return _mm256_i32gather_ps(base, idx, 4);
+}
+
 // ---- integer vectors for the int8-query Q.K (see attn_body.h "integer Q.K") -------------
 // VI: 4W = 32 bytes (u8 codes or s8 query) or W int32 lanes.
 typedef __m256i VI;

@@ -169,6 +169,14 @@ static inline VF ld_t2(const uint8_t* p, const float* tab) {  // W/4 bytes
                                _mm512_loadu_ps(tab));
 }
 
+// lane l = base[l * stride]
+static inline VF vgather(const float* base, int stride) {
+  const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                           12, 13, 14, 15),
+                                         _mm512_set1_epi32(stride));
+  return _mm512_i32gather_ps(idx, base, 4);
+}
+
 // ---- integer vectors for the int8-query Q.K (see attn_body.h "integer Q.K") -------------
 // VI: 4W = 64 bytes (u8 codes or s8 query) or W int32 lanes.
 typedef __m512i VI;

@@ -903,6 +903,35 @@ static inline void prefetch_rows(const uint8_t* p, int64_t n) {
   for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(p + i);
 }
 
+// Scales, zero-points and outlier slots of rows [off, off+cnt) of a region (separate
+// streams of the plane: without this their first touch stalls the tile's preparation).
+static inline void prefetch_fields(const kvq::Codec& c, const kvq::Region& r,
+                                   const uint8_t* plane, int off, int cnt, int D) {
+  if (r.scale_bytes) {
+    int64_t b, n;
+    if (c.granularity == kvq::GRAN_CHANNEL) {
+      b = (int64_t)(off / c.group) * D * 2;
+      n = (int64_t)((off + cnt - 1) / c.group - off / c.group + 1) * D * 2;
+    } else {
+      b = (int64_t)off * r.scale_cols * 2;
+      n = (int64_t)cnt * r.scale_cols * 2;
+    }
+    prefetch_rows(plane + r.scale_off + b, n);
+    if (r.zero_bytes) prefetch_rows(plane + r.zero_off + b, n);
+  }
+  if (c.outliers)
+    prefetch_rows(plane + r.outlier_off + (int64_t)off * c.outliers * 4,
+                  (int64_t)cnt * c.outliers * 4);
+}
+
+// A tile's per-group scales or zeros, [t][g] rows of ng floats (contiguous over the tile, as
+// prep_segment writes them) -> out[g * TT + t] (entries t >= nt: whatever the gather reads
+// inside the scratch).
+static inline void transpose_tile(const float* src, int nt, int ng, float* out) {
+  for (int g = 0; g < ng; ++g)
+    for (int t = 0; t < nt; t += W) vstore(out + g * TT + t, vgather(src + (int64_t)t * ng + g, ng));
+}
+
 // ---- one task ----------------------------------------------------------------------------
 static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch) {
   const int D = P.D, gq = P.gq, B = P.B, R = P.R;
@@ -1049,6 +1078,8 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
                     cnt * P.lay.k.row_bytes);
       prefetch_rows(np + P.lay.v.data_off + (int64_t)off * P.lay.v.row_bytes,
                     cnt * P.lay.v.row_bytes);
+      prefetch_fields(P.kc, P.lay.k, np, off, cnt, D);
+      prefetch_fields(P.vc, P.lay.v, np, off, cnt, D);
       jn += cnt;
       left -= cnt;
     }
@@ -1081,8 +1112,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
     } else if (iqk) {
       qk_int_kind(kbits, igrp, MBq, q8, D, ks, 0, nt, lidx, gbase, S);
       if (igrp) {
-        for (int t = 0; t < nt; ++t)
-          for (int g = 0; g < ng; ++g) zt[g * TT + t] = ks.zv[t][g];
+        transpose_tile(ks.zv[0], nt, ng, zt);
         for (int m = 0; m < M; ++m)
           for (int t = 0; t < nt; t += W) {
             VF a = vmul(vload(S + m * SL + t), vset(qsc[m]));
@@ -1129,11 +1159,8 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
         const float *sT, *zT;
         int sstride;
         if (P.vc.granularity == kvq::GRAN_GROUP) {
-          for (int t = 0; t < nt; ++t)
-            for (int g = 0; g < vng; ++g) {
-              vsT[g * TT + t] = vs.sv[t][g];
-              vzT[g * TT + t] = vs.zv[t][g];
-            }
+          transpose_tile(vs.sv[0], nt, vng, vsT);
+          transpose_tile(vs.zv[0], nt, vng, vzT);
           sT = vsT; zT = vzT; sstride = TT;
         } else if (P.vc.granularity == kvq::GRAN_TOKEN) {
           sT = vs.sv[0]; zT = vs.zv[0]; sstride = 0;

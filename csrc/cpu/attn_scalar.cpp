@@ -141,6 +141,13 @@ static inline VF ld_t2(const uint8_t* p, const float* tab) {
   return r;
 }
 
+// lane l = base[l * stride]
+static inline VF vgather(const float* base, int stride) {
+  VF r;
+  for (int l = 0; l < W; ++l) r.v[l] = base[(int64_t)l * stride];
+  return r;
+}
+
 // ---- integer vectors for the int8-query Q.K (see attn_body.h "integer Q.K") -------------
 // The plain-C statement of the integer arithmetic the SIMD paths compute (exactly).
 struct VI {
