@@ -39,12 +39,12 @@ def main():
     extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
     os.environ.update(extra.pop("env", {}))  # inherited by the engine's processes
     install_fault_from_env()  # test-only faults (VLLM_KVQ_FAULT), patched into this process
-    n_windows = extra.pop("windows", N_WINDOWS)
+    n_windows, window = extra.pop("windows", N_WINDOWS), extra.pop("window", WINDOW)
     # These CPUs lack AVX512-BF16: a bf16 model computes ~3x slower than fp32. The cache
     # format (bf16 baseline, quantized ones) is independent of the model's dtype.
     extra.setdefault("dtype", "float32")
     model = str(ensure_default_model(verbose=False))
-    windows = default_windows(model, n_windows, WINDOW)
+    windows = default_windows(model, n_windows, window)
     if scenario == "quality":
         result = run_method(method, model, windows, **extra)
     else:
