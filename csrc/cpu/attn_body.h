@@ -1006,8 +1006,8 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   const bool vfold = fused && (P.vc.encoding == kvq::ENC_INT || P.vc.encoding == kvq::ENC_NUQ) &&
                      P.vc.granularity != kvq::GRAN_CHANNEL && P.vc.granularity != kvq::GRAN_NONE;
   const int vng = P.vc.granularity == kvq::GRAN_GROUP ? D / P.vc.group : 1;
-  if (vfold)  // rows >= M of the folded weights stay 0 (the kernels run MB >= M rows)
-    for (int64_t x = 0; x < (int64_t)Mp * vng * SL; ++x) PS[x] = 0.0f;
+  if (vfold)  // rows >= M of the folded weights stay 0 (the kernels run MBp >= M rows)
+    for (int64_t x = (int64_t)M * vng * SL; x < (int64_t)MBp * vng * SL; ++x) PS[x] = 0.0f;
   // Integer Q.K: only for finite query rows (a NaN/Inf query takes the exact path, which
   // propagates it like the reference).
   if (iqk)
@@ -1019,20 +1019,27 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   const bool kperm = fused && !iqk && can_perm(P.kc, D);
   const int kpk = kperm ? (P.kc.bits == 4 ? K_U4 : K_U2) : (ichn ? kPermInt + kbits : -1);
   if (iqk) {
-    for (int m = 0; m < Mp; ++m)  // Q in code order
-      for (int p = 0; p < D; ++p) Qk[(int64_t)m * D + p] = Q[(int64_t)m * D + ichan(kbits, p)];
-    for (int l = 0; l < W; ++l) lidx[l] = igrp ? ichan(kbits, 4 * l) / P.kc.group : 0;
+    // code position -> channel (and its group), once per task; the kernels read MBq rows
+    int16_t pc[512];
+    uint8_t pg[512];
+    for (int p = 0; p < D; ++p) {
+      pc[p] = (int16_t)ichan(kbits, p);
+      pg[p] = (uint8_t)(igrp ? pc[p] / P.kc.group : 0);
+    }
+    for (int m = 0; m < MBq; ++m)  // Q in code order
+      for (int p = 0; p < D; ++p) Qk[(int64_t)m * D + p] = Q[(int64_t)m * D + pc[p]];
+    for (int l = 0; l < W; ++l) lidx[l] = pg[4 * l];
     for (int c = 0; c < D / CW; ++c) gbase[c] = igrp ? c * CW / P.kc.group : 0;
     if (!ichn) {
-      for (int m = 0; m < Mp; ++m) {
+      for (int m = 0; m < MBq; ++m) {
         const int8_t* qr = q8 + (int64_t)m * D;
         qsc[m] = quantize_q8(Qk + (int64_t)m * D, D, q8 + (int64_t)m * D);
-        for (int g = 0; g < ng; ++g) qsum[m * ng + g] = 0.0f;
+        if (m >= M) continue;  // zero rows: q8 = 0
         int32_t isum[128] = {0};
-        for (int p = 0; p < D; ++p) isum[igrp ? ichan(kbits, p) / P.kc.group : 0] += qr[p];
+        for (int p = 0; p < D; ++p) isum[pg[p]] += qr[p];
         for (int g = 0; g < ng; ++g) qsum[m * ng + g] = (float)isum[g] * qsc[m];
-        if (m < M)  // the staging keys read the rounded query too
-          for (int p = 0; p < D; ++p) Q[(int64_t)m * D + ichan(kbits, p)] = (float)qr[p] * qsc[m];
+        // the staging keys read the rounded query too
+        for (int p = 0; p < D; ++p) Q[(int64_t)m * D + pc[p]] = (float)qr[p] * qsc[m];
       }
     }
   } else if (kperm) {
