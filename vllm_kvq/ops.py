@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from vllm_kvq.formats import SUPPORTED_HEAD_SIZES, Codec, KVFormat, Layout
+from vllm_kvq.reference import check_levels
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -118,28 +119,14 @@ _NO_LEVELS: dict = {}
 
 
 def _levels(levels, codec: Codec, name: str, fmt: KVFormat, device) -> torch.Tensor:
-    """float32 [2^bits] on the cache's device for a nuq codec; an empty tensor otherwise.
-    (Checked on a Python list: this runs per layer per step.)"""
-    if codec.encoding != "nuq":
-        if levels is not None and (not isinstance(levels, torch.Tensor) or levels.numel()):
-            _fail(f"format {fmt.name!r}: {name}: codec {codec.describe()} takes no codebook")
+    """float32 [2^bits] on the cache's device for a nuq codec (checked by the reference's
+    rule, reference.check_levels); an empty tensor otherwise."""
+    t = check_levels(levels, codec, f"format {fmt.name!r}: {name}")
+    if t is None:
         if device not in _NO_LEVELS:
             _NO_LEVELS[device] = torch.empty(0, dtype=torch.float32, device=device)
         return _NO_LEVELS[device]
-    n = 2 ** codec.bits
-    if levels is None:
-        _fail(f"format {fmt.name!r}: {name} is required for the nuq codec {codec.describe()}: "
-              f"{n} float32 levels (vllm_kvq.codebook_file: Calibration.levels)")
-    t = levels if isinstance(levels, torch.Tensor) else torch.as_tensor(levels)
-    vals = t.reshape(-1).tolist()
-    if len(vals) != n:
-        _fail(f"format {fmt.name!r}: {name} has {len(vals)} levels; codec {codec.describe()} "
-              f"needs {n}")
-    if not all(-1.0 <= v <= 1.0 for v in vals):  # also rejects NaN
-        _fail(f"format {fmt.name!r}: {name} must be finite and within [-1, 1], got {vals}")
-    if any(b < a for a, b in zip(vals, vals[1:])):
-        _fail(f"format {fmt.name!r}: {name} must be sorted ascending, got {vals}")
-    return t.reshape(-1).to(device=device, dtype=torch.float32).contiguous()
+    return t.to(device=device).contiguous()
 
 
 def _check_channel_groups(slot_mapping: torch.Tensor, codec: Codec, side: str) -> None:
