@@ -5,6 +5,7 @@
 
 #include "cpu/cpu_ops.h"
 #include "kvq_layout.h"
+#include "kvq_torch_codec.h"
 
 #ifdef KVQ_WITH_CUDA
 #include "cuda/cuda_ops.h"
@@ -12,11 +13,6 @@
 
 namespace {
 
-kvq::Codec to_codec(const std::vector<int64_t>& v) {
-  TORCH_CHECK(v.size() == kvq::kCodecInts, "codec must have ", kvq::kCodecInts, " ints");
-  return kvq::Codec{(int32_t)v[0], (int32_t)v[1], (int32_t)v[2],
-                    (int32_t)v[3], (int32_t)v[4], (int32_t)v[5]};
-}
 
 py::dict region_dict(const kvq::Region& r) {
   py::dict d;
@@ -31,7 +27,8 @@ py::dict region_dict(const kvq::Region& r) {
 // The layout of kvq_layout.h, for Python (page sizes, reports, the reference).
 py::dict make_layout(const std::vector<int64_t>& k, const std::vector<int64_t>& v,
                      int64_t head_dim, int64_t block_size) {
-  const kvq::Layout l = kvq::make_layout(to_codec(k), to_codec(v), (int32_t)head_dim,
+  const kvq::Layout l = kvq::make_layout(kvq::to_codec(k, "k_codec"),
+                                         kvq::to_codec(v, "v_codec"), (int32_t)head_dim,
                                          (int32_t)block_size);
   py::dict d;
   d["k"] = region_dict(l.k); d["v"] = region_dict(l.v);

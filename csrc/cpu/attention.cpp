@@ -12,6 +12,7 @@
 
 #include "attn_common.h"
 #include "cpu_ops.h"
+#include "kvq_torch_codec.h"
 
 namespace kvq_cpu {
 
@@ -78,12 +79,7 @@ int32_t dtype_of(const at::Tensor& t, const char* what) {
   }
 }
 
-kvq::Codec to_codec(const std::vector<int64_t>& v, const char* what) {
-  TORCH_CHECK(v.size() == (size_t)kvq::kCodecInts, what, " must have ", kvq::kCodecInts,
-              " ints, got ", v.size());
-  return kvq::Codec{(int32_t)v[0], (int32_t)v[1], (int32_t)v[2],
-                    (int32_t)v[3], (int32_t)v[4], (int32_t)v[5]};
-}
+using kvq::to_codec;
 
 std::vector<float> static_scales(const kvq::Codec& c, const at::Tensor& s, int H,
                                  const char* what) {

@@ -11,6 +11,7 @@
 
 #include "cpu_ops.h"
 #include "kvq_layout.h"
+#include "kvq_torch_codec.h"
 #include "kvq_numeric.h"
 
 namespace kvq_cpu {
@@ -495,12 +496,7 @@ static void encode_channel_group(const SideQ& q, const Region& r, uint8_t* plane
 namespace kvq_cpu {
 namespace {
 
-Codec to_codec(const std::vector<int64_t>& v, const char* what) {
-  TORCH_CHECK(v.size() == (size_t)kvq::kCodecInts, what, " must have ", kvq::kCodecInts,
-              " ints, got ", v.size());
-  return Codec{(int32_t)v[0], (int32_t)v[1], (int32_t)v[2], (int32_t)v[3], (int32_t)v[4],
-               (int32_t)v[5]};
-}
+using kvq::to_codec;
 
 }  // namespace
 

@@ -24,6 +24,7 @@
 
 #include "cpu_ops.h"
 #include "kvq_layout.h"
+#include "kvq_torch_codec.h"
 #include "kvq_numeric.h"
 
 namespace kvq_cpu {
@@ -236,12 +237,7 @@ std::vector<float> static_scales(const Codec& c, const at::Tensor& s, int H, con
   return out;
 }
 
-Codec to_codec(const std::vector<int64_t>& v, const char* what) {
-  TORCH_CHECK(v.size() == (size_t)kvq::kCodecInts, what, " must have ", kvq::kCodecInts,
-              " ints, got ", v.size());
-  return Codec{(int32_t)v[0], (int32_t)v[1], (int32_t)v[2],
-               (int32_t)v[3], (int32_t)v[4], (int32_t)v[5]};
-}
+using kvq::to_codec;
 
 }  // namespace
 

@@ -6,14 +6,11 @@
 #include <string>
 
 #include "kvq_dispatch.cuh"
+#include "kvq_torch_codec.h"
 
 namespace kvq_cuda {
 
-inline kvq::Codec codec_from(c10::IntArrayRef v) {
-  TORCH_CHECK(v.size() == kvq::kCodecInts, "codec must have ", kvq::kCodecInts, " ints");
-  return kvq::Codec{(int32_t)v[0], (int32_t)v[1], (int32_t)v[2],
-                    (int32_t)v[3], (int32_t)v[4], (int32_t)v[5]};
-}
+inline kvq::Codec codec_from(c10::IntArrayRef v) { return kvq::to_codec(v, "codec"); }
 
 inline int32_t act_dtype(const at::Tensor& t, const char* name) {
   switch (t.scalar_type()) {

@@ -5,14 +5,11 @@
 #include <torch/extension.h>
 
 #include "../../kvq_layout.h"
+#include "../../kvq_torch_codec.h"
 #include "../cuda_ops.h"
 
 namespace {
 
-kvq::Codec to_codec(const std::vector<int64_t>& v) {
-  TORCH_CHECK(v.size() == kvq::kCodecInts, "codec must have ", kvq::kCodecInts, " ints");
-  return kvq::Codec{(int32_t)v[0], (int32_t)v[1], (int32_t)v[2], (int32_t)v[3], (int32_t)v[4], (int32_t)v[5]};
-}
 
 py::dict region_dict(const kvq::Region& r) {
   py::dict d;
@@ -25,7 +22,8 @@ py::dict region_dict(const kvq::Region& r) {
 }
 
 py::dict make_layout(const std::vector<int64_t>& k, const std::vector<int64_t>& v, int64_t D, int64_t B) {
-  const kvq::Layout l = kvq::make_layout(to_codec(k), to_codec(v), (int32_t)D, (int32_t)B);
+  const kvq::Layout l = kvq::make_layout(kvq::to_codec(k, "k_codec"), kvq::to_codec(v, "v_codec"),
+                                         (int32_t)D, (int32_t)B);
   py::dict d;
   d["k"] = region_dict(l.k); d["v"] = region_dict(l.v);
   d["head_dim"] = l.head_dim; d["block_size"] = l.block_size;
