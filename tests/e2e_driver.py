@@ -24,13 +24,13 @@ def shared_prefix_prompts(windows):
 
 def pages_budget(method: str, pages: int, max_num_seqs: int | None) -> int:
     """KV bytes for `pages` pages of 128 tokens of the default model, plus the residual
-    window's pool that vllm_kvq.plugin takes out of the budget first (fp32 model)."""
+    window's pool that vllm_kvq.plugin takes out of the budget first (16-bit window)."""
     from vllm_kvq.formats import parse_format
 
     fmt = parse_format(method)
     layers, heads, head_dim = 30, 3, 64
     page = fmt.layout(head_dim, 128).token_bytes * 128 * heads * layers
-    pool = fmt.residual_bytes_per_seq(layers, heads, head_dim, 4) * (max_num_seqs or 16)
+    pool = fmt.residual_bytes_per_seq(layers, heads, head_dim, 2) * (max_num_seqs or 16)
     return pages * page + pool
 
 

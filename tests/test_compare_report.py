@@ -73,7 +73,7 @@ def test_memory_row_is_the_page_layout(method):
     assert row["bytes_per_token_head"] == fmt.layout(64, 128).token_bytes
     assert row["bytes_per_token_model"] == row["bytes_per_token_head"] * 30 * 3
     assert row["ratio_vs_bf16"] == pytest.approx(fmt.ratio_vs_bf16(64, 128))
-    assert row["residual_bytes_per_seq"] == fmt.residual_bytes_per_seq(30, 3, 64, 4)
+    assert row["residual_bytes_per_seq"] == fmt.residual_bytes_per_seq(30, 3, 64, 2)
     assert (row["residual_bytes_per_seq"] > 0) == (fmt.residual_tokens > 0)
     # the fields (codes, scales, zero-points) add up to the token's bytes less padding
     assert sum(row["fields_per_token_head"].values()) == pytest.approx(

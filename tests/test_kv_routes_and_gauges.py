@@ -39,7 +39,7 @@ def test_summary_of_a_quantized_cache():
     assert s["bits_per_value"] == 3.0 and s["ratio_vs_bf16"] == pytest.approx(16 / 3)
     assert s["capacity_tokens"] == 100 * BLOCK
     # fp32 model: 128 tokens x (K+V) x 64 x 4 B per layer and head, one slot per sequence
-    assert s["residual_bytes_per_seq"] == 128 * 2 * HEAD_DIM * 4 * LAYERS * HEADS
+    assert s["residual_bytes_per_seq"] == 128 * 2 * HEAD_DIM * 2 * LAYERS * HEADS  # 16-bit
     assert s["residual_pool_bytes"] == 8 * s["residual_bytes_per_seq"]
     assert s["bf16_bytes_per_token"] == 23040
 

@@ -34,7 +34,8 @@ from vllm_kvq import ops, prefill
 from vllm_kvq.config import (KVQConfig, config_from_vllm, layer_index, model_levels,
                              residual_slot_count)
 from vllm_kvq.formats import SUPPORTED_HEAD_SIZES
-from vllm_kvq.residual import ResidualSlots, StepPlan, plan_tensors, stage_and_write
+from vllm_kvq.residual import (ResidualSlots, StepPlan, plan_tensors, stage_and_write,
+                               window_dtype)
 
 # customize_spec runs with no current vLLM config: the impls and the builder record the
 # engine's config here when they are built (one engine per process).
@@ -212,7 +213,7 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
         if self.pool is None:
             R = self.fmt.residual_chunk
             self.pool = torch.zeros(self.num_slots, 2, R, self.num_kv_heads, self.head_size,
-                                    dtype=key.dtype, device=key.device)
+                                    dtype=window_dtype(key.dtype), device=key.device)
         return self.pool
 
     def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor,

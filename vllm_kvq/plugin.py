@@ -74,11 +74,12 @@ def validate_vllm_config(vllm_config) -> None:
         raise ValueError(f"vllm-kvq: {e}") from None
     if model is not None and cfg.fmt.residual_tokens and cache.kv_cache_memory_bytes:
         from vllm_kvq.config import residual_slot_count
+        from vllm_kvq.residual import WINDOW_BYTES
 
         layers = stage_layers(vllm_config)
         heads = model.get_num_kv_heads(vllm_config.parallel_config)
         per_seq = cfg.fmt.residual_bytes_per_seq(layers, heads, model.get_head_size(),
-                                                 model.dtype.itemsize)
+                                                 WINDOW_BYTES)
         pool = per_seq * residual_slot_count(vllm_config)
         # Idempotent: the platform hook runs again on the same config (in the engine core,
         # after the handshake); a budget that already carries our subtraction is left

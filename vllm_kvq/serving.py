@@ -71,15 +71,16 @@ def kv_summary(vllm_config) -> dict[str, Any]:
     }
     if uses_kvq(vllm_config):
         from vllm_kvq.config import config_from_vllm, residual_slot_count
+        from vllm_kvq.residual import WINDOW_BYTES
 
         cfg = config_from_vllm(vllm_config)
         fmt = cfg.fmt
         per_head = fmt.bytes_per_token(head_dim, block_size)
+        # the window is 16-bit whatever the model's dtype (residual.window_dtype)
         worker_pool = (fmt.residual_bytes_per_seq(stage_layers(vllm_config), heads, head_dim,
-                                                  model.dtype.itemsize)
+                                                  WINDOW_BYTES)
                        * residual_slot_count(vllm_config) if fmt.residual_tokens else 0)
-        residual_per_seq = (fmt.residual_bytes_per_seq(layers, heads, head_dim,
-                                                       model.dtype.itemsize)
+        residual_per_seq = (fmt.residual_bytes_per_seq(layers, heads, head_dim, WINDOW_BYTES)
                             if fmt.residual_tokens else 0)
         out.update({
             "backend": "vllm_kvq", "method": fmt.name,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from vllm_kvq.residual import WINDOW_BYTES
 from vllm_kvq.tools.compare.plan import base_method
 from vllm_kvq.tools.evaluate import VLLM_PEERS
 
@@ -40,7 +41,7 @@ def memory_row(method: str, dims: dict, dtype: str, block_size: int = 128) -> di
         per_head = lay.token_bytes
         desc = f"K {fmt.key.describe()}, V {fmt.value.describe()}" + (
             f", {fmt.residual_tokens} recent fp" if fmt.residual_tokens else "")
-        residual = fmt.residual_bytes_per_seq(L, H, D, elem)
+        residual = fmt.residual_bytes_per_seq(L, H, D, WINDOW_BYTES)  # 16-bit window
         fields = {k: v / block_size for k, v in lay.fields().items() if v}
     return {"format": desc, "bytes_per_token_head": per_head,
             "bytes_per_token_model": per_head * L * H, "bits_per_value": per_head * 8 / (2 * D),
