@@ -86,8 +86,8 @@ def markdown(result: dict, command: str = "", machine: str = "") -> str:
                  f"{r['ratio_vs_bf16']:.2f} | {r['residual_bytes_per_seq'] / 1024:,.0f} | "
                  f"{cap} | {_f(r.get('capacity_ratio'), '{:.2f}')} |")
     L.append("\nBytes per token include scales, zero-points and padding (csrc/kvq_layout.h). "
-             "The residual window (recent tokens kept in full precision, in the model's "
-             f"dtype) is taken out of the KV budget for all {plan['max_num_seqs']} sequence "
+             "The residual window (recent tokens kept in full precision, 16-bit) "
+             f"is taken out of the KV budget for all {plan['max_num_seqs']} sequence "
              "slots before vLLM sizes its pages, so it lowers capacity.\n")
 
     pk_lens = plan["passkey_lengths"]
