@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 bash scripts/setup.sh
 source scripts/env.sh
-exec python -m pytest -q -p no:cacheprovider tests "$@"
+exec python -m pytest -q -p no:cacheprovider --durations=20 tests "$@"
