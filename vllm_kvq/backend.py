@@ -142,7 +142,11 @@ class KVQMetadataBuilder(AttentionMetadataBuilder[KVQMetadata]):
                          seq_lens=cam.seq_lens[:S],
                          block_table=cam.block_table_tensor[:S],
                          slot_mapping=cam.slot_mapping, plan=None)
-        on_cpu = self.device.type == "cpu"
+        # The flash prefill path is opt-in (KVQ_FLASH_PREFILL=1): in the e2e suite it made
+        # chunked / prefix-cached runs differ from whole prefills far more than float noise
+        # (int4_group32 chunked vs whole KL 0.0166 vs 0.0025 on the paged kernel alone), which
+        # is not understood yet. Until it is, prefills stay on the paged kernel.
+        on_cpu = self.device.type == "cpu" and prefill.FLASH_PREFILL
         if self.slots is None:
             if on_cpu and cam.max_query_len >= prefill.PREFILL_MIN_QUERY:
                 md.split = prefill.plan(cam.query_start_loc_cpu[:S + 1].tolist(),

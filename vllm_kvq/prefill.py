@@ -30,6 +30,7 @@ is correct for every query length).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +40,8 @@ import torch.nn.functional as F
 # --threshold, SmolLM2 9/3/64, bf16, 2048 context, CPU ms new/old): bf16 16: 1.49, 32: 0.67,
 # 64: 0.39; kivi2 16: 1.81, 32: 1.19, 64: 0.53 -- 64 wins for every format measured.
 PREFILL_MIN_QUERY = 64
+# Opt-in for now (see vllm_kvq/backend.py, KVQMetadataBuilder.build); read once per process.
+FLASH_PREFILL = os.environ.get("KVQ_FLASH_PREFILL", "0") == "1"
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
