@@ -27,13 +27,13 @@ import torch  # noqa: E402
 
 from vllm_kvq import ops
 from vllm_kvq.formats import parse_format
+from vllm_kvq.tools.kernel_timing import (BASE_TOKENS, BLOCK, block_tables, decode_case,
+                                           repeat_pages)
 
 SHAPES = [(32, 8, 128), (9, 3, 64)]  # (query heads, kv heads, head_dim); 9/3/64 = SmolLM2
 BATCHES = [1, 4, 16]
 CONTEXTS = [1024, 4096, 16384]
 FORMATS = ["bf16", "fp8_e4m3", "int8_token", "int4_group32", "kivi4", "kivi2"]
-BLOCK = 128
-BASE_TOKENS = 2048  # tokens actually quantized; the rest of the cache repeats their planes
 
 
 def timeit(fn, min_time=0.4, min_reps=3, max_reps=50):
@@ -52,51 +52,8 @@ def timeit(fn, min_time=0.4, min_reps=3, max_reps=50):
     return min(times) * 1e3, min(cpu) * 1e3
 
 
-def make_block_tables(batch, ctx, gen):
-    nblk = (ctx + BLOCK - 1) // BLOCK
-    total = batch * nblk
-    perm = torch.randperm(total, generator=gen).to(torch.int32)
-    return perm.reshape(batch, nblk), total
-
-
-def fill_planes(cache, nbase):
-    """Repeat the first nbase blocks over the whole cache (distinct memory, real data)."""
-    n = cache.shape[0]
-    i = nbase
-    while i < n:
-        m = min(nbase, n - i)
-        cache[i:i + m].copy_(cache[:m])
-        i += m
-
-
 def bench_ours(name, Hq, H, D, batch, ctx, gen, q, k, v):
-    fmt = parse_format(name)
-    lay = fmt.layout(D, BLOCK)
-    bt, total = make_block_tables(batch, ctx, gen)
-    cache = torch.empty(total, H, BLOCK, lay.token_bytes, dtype=torch.uint8)
-    nbase = min(total, BASE_TOKENS // BLOCK)
-    from vllm_kvq.reference import uniform_levels
-    lv = {side: uniform_levels(c.bits) if c.encoding == "nuq" else None
-          for side, c in (("k_levels", fmt.key), ("v_levels", fmt.value))}
-    ops.write_cache(k[:nbase * BLOCK], v[:nbase * BLOCK], cache, torch.arange(nbase * BLOCK),
-                    fmt, **lv)
-    fill_planes(cache, nbase)
-    seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
-    qsl = torch.arange(batch + 1, dtype=torch.int32)
-    R = fmt.residual_chunk
-    extra = {}
-    if R > 1:  # decode at position ctx-1: positions >= floor(ctx/R)*R come from staging
-        p0 = ctx // R * R
-        n_st = ctx - p0
-        extra = dict(staging_k=torch.randn(batch * max(n_st, 1), H, D).to(torch.bfloat16),
-                     staging_v=torch.randn(batch * max(n_st, 1), H, D).to(torch.bfloat16),
-                     staging_start_loc=torch.arange(batch + 1, dtype=torch.int32) * n_st,
-                     staging_pos0=torch.full((batch,), p0, dtype=torch.int32))
-    out = torch.empty_like(q)
-
-    def run():
-        ops.paged_attention(q, cache, bt, seq_lens, qsl, fmt, D ** -0.5, out=out, **extra, **lv)
-
+    fmt, lay, run, out = decode_case(name, H, D, batch, ctx, gen, q, k, v)
     ms = timeit(run)
     nbytes = batch * H * ctx * lay.token_bytes
     return ms, nbytes, out.clone()
@@ -131,13 +88,13 @@ def vllm_isa():
 
 def bench_vllm(Hq, H, D, batch, ctx, gen, q, k, v):
     isa = vllm_isa()
-    bt, total = make_block_tables(batch, ctx, gen)
+    bt, total = block_tables(batch, ctx, gen)
     kv = torch.empty(total, H, BLOCK, 2 * D, dtype=torch.bfloat16)
     kc, vc = kv.view(total, H, 2 * BLOCK, D).chunk(2, dim=2)
     nbase = min(total, BASE_TOKENS // BLOCK)
     torch.ops._C.cpu_attn_reshape_and_cache(k[:nbase * BLOCK], v[:nbase * BLOCK], kc, vc,
                                             torch.arange(nbase * BLOCK), isa, 1.0, 1.0, "auto")
-    fill_planes(kv, nbase)
+    repeat_pages(kv, nbase)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
     meta = torch.ops._C.get_scheduler_metadata(batch, Hq, H, D, seq_lens, torch.bfloat16, qsl,

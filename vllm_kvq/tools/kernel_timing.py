@@ -46,8 +46,9 @@ def repeat_pages(cache, nbase: int) -> None:
         cache[i:i + m].copy_(cache[:m])
 
 
-def time_ours(name: str, Hq, H, D, batch, ctx, gen, q, k, v) -> float:
-    """ms per decode call of format `name` (nuq: the uniform codebook; the speed of a
+def decode_case(name: str, H, D, batch, ctx, gen, q, k, v):
+    """(fmt, layout, run, out): format `name`'s paged cache filled from k/v, and `run()`
+    decoding q at position ctx-1 into `out` (nuq: the uniform codebook; the speed of a
     codebook does not depend on its levels)."""
     fmt = parse_format(name)
     lay = fmt.layout(D, BLOCK)
@@ -71,8 +72,16 @@ def time_ours(name: str, Hq, H, D, batch, ctx, gen, q, k, v) -> float:
                      staging_start_loc=torch.arange(batch + 1, dtype=torch.int32) * n_st,
                      staging_pos0=torch.full((batch,), p0, dtype=torch.int32))
     out = torch.empty_like(q)
-    return timeit(lambda: ops.paged_attention(q, cache, bt, seq_lens, qsl, fmt, D ** -0.5,
-                                              out=out, **extra, **lv))
+
+    def run():
+        ops.paged_attention(q, cache, bt, seq_lens, qsl, fmt, D ** -0.5, out=out, **extra, **lv)
+
+    return fmt, lay, run, out
+
+
+def time_ours(name: str, Hq, H, D, batch, ctx, gen, q, k, v) -> float:
+    """ms per decode call of format `name`."""
+    return timeit(decode_case(name, H, D, batch, ctx, gen, q, k, v)[2])
 
 
 def vllm_available() -> bool:
