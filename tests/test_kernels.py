@@ -714,3 +714,22 @@ def test_attention_int8_query(name):
                 os.environ.pop("KVQ_EXACT_QK")
             else:
                 os.environ["KVQ_EXACT_QK"] = old
+
+
+@pytest.mark.parametrize("name", ["int4_group32", "kivi2_k16_g16_r32"])
+def test_prefill_chunks_take_the_exact_qk(name):
+    """Only decodes (a sequence's single query this step) take the int8 query: the rows of
+    a prefill chunk compute what a whole prefill computes. 64 queries at gq=3 used to leave
+    a one-row tile (21+21+21+1) that ran the decode body, and an e2e chunked prefill then
+    stored other codes than a whole one for the rows after it."""
+    B = max(32, parse_format(name).residual_chunk)
+    c = build_case(name, 64, B, gq=3, H=3, dtype=torch.float32,
+                   seqs=[(300, 64), (300, 1), (200, 22)], seed=_seed(name, "chunk"))
+    n = int(c["query_start_loc"][-1])
+    exact, approx = run_ref(c)[:n], run_ref_int8q(c)[:n]
+    for path in PATHS:
+        out = run_mine(c, path)
+        prefill = torch.ones(n, dtype=torch.bool)
+        prefill[64] = False  # the decode row
+        assert_attn_close(out[prefill], exact[prefill], torch.float32, what=f"{name} {path}")
+        assert _rows_close(out[64:65], approx[64:65], torch.float32).all(), f"{name} {path}"

@@ -220,8 +220,11 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                   " but staging holds positions from staging_pos0=", sp0[s], " and has ", Ns,
                   " rows");
     }
-    for (int i0 = 0; i0 < nq; i0 += qt) {
-      const int n = std::min(qt, nq - i0);
+    // Tiles of equal size (at most qt rows): no 1-row remainder tile, which would run the
+    // decode body for a prefill row.
+    const int ntiles = (nq + qt - 1) / qt, per_tile = (nq + ntiles - 1) / ntiles;
+    for (int i0 = 0; i0 < nq; i0 += per_tile) {
+      const int n = std::min(per_tile, nq - i0);
       const int plast = first + i0 + n - 1;
       const int Fl = (plast + 1) / R * R;
       int tlo, thi;
@@ -233,6 +236,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
         t.staging = tlo < thi ? 1 : 0;
         t.stg_base = stg_base;
         t.part = -1;
+        t.decode = nq == 1 ? 1 : 0;
         tasks.push_back(t);
       }
     }

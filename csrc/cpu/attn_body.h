@@ -943,7 +943,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   const int MBp = fused ? (M <= 4 ? M : fused_rows(M)) : 0;
   const bool vperm = fused && can_perm(P.vc, D);
   const int vpk = vperm ? (P.vc.bits == 4 ? K_U4 : K_U2) : -1;
-  bool iqk = fused && P.int_qk && int_qk_ok(P.kc, D);  // integer Q.K (decided below)
+  bool iqk = fused && T.decode && P.int_qk && int_qk_ok(P.kc, D);  // integer Q.K (below)
 
   float* Q = scratch;
   float* Qk = Q + (size_t)Mp * D;  // Q in the K side's decode order (permuted or = Q)

@@ -55,7 +55,8 @@ struct AttnTask {
   int32_t pos0;       // absolute position of the first query token
   int32_t kbeg, kend; // paged key positions covered (kend <= F of the last query)
   int32_t staging;    // 1: also read staging positions [F(pos0+1), pos0+nq-1]
-  int32_t pad_;
+  int32_t decode;     // 1: the sequence's only query this step; only decodes may take the
+                      // int8-query Q.K, so a prefill chunk computes what a whole prefill does
   int64_t stg_base;   // staging row of position p is stg_base + p
   int64_t part;       // partial result offset (floats) or -1: write `out` directly
 };
