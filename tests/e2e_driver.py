@@ -38,6 +38,11 @@ def main():
     scenario, method, out = sys.argv[1:4]
     extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
     os.environ.update(extra.pop("env", {}))  # inherited by the engine's processes
+    if extra.get("pipeline_parallel_size", 1) == 1 and extra.get("tensor_parallel_size", 1) == 1:
+        # One worker: vLLM's engine core and worker run in this process (no two child
+        # processes that import torch and vLLM again, ~20 s per engine on 2 cores) and its
+        # OpenMP threads use every core (the child worker reserves one for the frontend).
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     install_fault_from_env()  # test-only faults (VLLM_KVQ_FAULT), patched into this process
     n_windows, window = extra.pop("windows", N_WINDOWS), extra.pop("window", WINDOW)
     # These CPUs lack AVX512-BF16: a bf16 model computes ~3x slower than fp32. The cache

@@ -169,7 +169,9 @@ PREEMPT_TOKENS = 160
 PREEMPT_TIE_NATS = 1.0
 
 
-@pytest.mark.parametrize("method", ["bf16", "int4_group32", "kivi2"])
+# bf16 goes through the same write/attend calls as int4_group32 (no residual window);
+# kivi2 adds the window.
+@pytest.mark.parametrize("method", ["int4_group32", "kivi2"])
 def test_quality_measurement_reads_the_stored_cache(method):
     """Teacher-forced log-probs come from one prefill; they must read K/V back from the
     stored cache as decode does. Clobbering the cache right after each write (a test-only
@@ -210,7 +212,10 @@ DECODE_STEPS = {"enable_chunked_prefill": True, "max_num_batched_tokens": 1,
                 "max_num_seqs": 1, "windows": 1, "window": 512, "enable_prefix_caching": False}
 
 
-@pytest.mark.parametrize("method", ["int4_group32", "kivi2"])
+# int4_group32 only (per-group key scales, the most used path; ~1.5 min of one-token steps
+# per method): the per-channel (KIVI) int8 query is held to its reference in
+# tests/test_kernels.py, and measured end to end at x1.010 (kivi2).
+@pytest.mark.parametrize("method", ["int4_group32"])
 def test_int8_query_decode_costs_at_most_five_percent_of_the_format_error(method):
     """The decode kernel takes Q.K of int keys with an int8-rounded query (csrc/cpu/
     attn_body.h); KVQ_EXACT_QK=1 is the exact fp32 Q.K. Against our bf16 cache, per format,

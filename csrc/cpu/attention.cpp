@@ -81,17 +81,7 @@ int32_t dtype_of(const at::Tensor& t, const char* what) {
 
 using kvq::to_codec;
 
-std::vector<float> static_scales(const kvq::Codec& c, const at::Tensor& s, int H,
-                                 const char* what) {
-  std::vector<float> out(H, 1.0f);
-  if (c.granularity == kvq::GRAN_TENSOR || c.granularity == kvq::GRAN_HEAD) {
-    TORCH_CHECK(s.numel() == H || s.numel() == 1, what, " must have 1 or H=", H,
-                " values for a static-scale codec, got ", s.numel());
-    at::Tensor f = s.to(at::kFloat).contiguous();
-    for (int h = 0; h < H; ++h) out[h] = f.data_ptr<float>()[s.numel() == 1 ? 0 : h];
-  }
-  return out;
-}
+using kvq::static_scales;
 
 std::vector<int32_t> to_i32(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, what,

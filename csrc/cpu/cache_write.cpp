@@ -618,18 +618,8 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& cac
                   " is past the cache's ", num_slots, " slots");
     }
   }
-  auto static_scales = [&](const Codec& c, const at::Tensor& s, const char* what) {
-    std::vector<float> out(H, 1.0f);
-    if (c.granularity == kvq::GRAN_TENSOR || c.granularity == kvq::GRAN_HEAD) {
-      TORCH_CHECK(s.numel() == H || s.numel() == 1, what, " must have 1 or H=", H,
-                  " values for a static-scale codec, got ", s.numel());
-      at::Tensor f = s.to(at::kFloat).contiguous();
-      for (int h = 0; h < H; ++h) out[h] = f.data_ptr<float>()[s.numel() == 1 ? 0 : h];
-    }
-    return out;
-  };
-  const std::vector<float> ks = static_scales(kc, k_scale, "k_scale");
-  const std::vector<float> vs = static_scales(vc, v_scale, "v_scale");
+  const std::vector<float> ks = kvq::static_scales(kc, k_scale, H, "k_scale");
+  const std::vector<float> vs = kvq::static_scales(vc, v_scale, H, "v_scale");
 
   const RowSrc ksrc{(const uint8_t*)key.data_ptr(), key.stride(0) * key.element_size(),
                     key.stride(1) * key.element_size(), in_dtype(key, "key"),

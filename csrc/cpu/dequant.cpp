@@ -226,17 +226,7 @@ void run(const Side sides[2], const uint8_t* cache, int64_t c_sb, int64_t c_sh,
   }
 }
 
-std::vector<float> static_scales(const Codec& c, const at::Tensor& s, int H, const char* what) {
-  std::vector<float> out(H, 1.0f);
-  if (c.granularity == kvq::GRAN_TENSOR || c.granularity == kvq::GRAN_HEAD) {
-    TORCH_CHECK(s.numel() == H || s.numel() == 1, what, " must have 1 or H=", H,
-                " values for a static-scale codec, got ", s.numel());
-    at::Tensor f = s.to(at::kFloat).contiguous();
-    for (int h = 0; h < H; ++h) out[h] = f.data_ptr<float>()[s.numel() == 1 ? 0 : h];
-  }
-  return out;
-}
-
+using kvq::static_scales;
 using kvq::to_codec;
 
 }  // namespace
