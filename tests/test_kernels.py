@@ -727,9 +727,9 @@ def test_prefill_chunks_take_the_exact_qk(name):
                    seqs=[(300, 64), (300, 1), (200, 22)], seed=_seed(name, "chunk"))
     n = int(c["query_start_loc"][-1])
     exact, approx = run_ref(c)[:n], run_ref_int8q(c)[:n]
+    prefill = torch.ones(n, dtype=torch.bool)
+    prefill[64] = False  # the decode row
     for path in PATHS:
         out = run_mine(c, path)
-        prefill = torch.ones(n, dtype=torch.bool)
-        prefill[64] = False  # the decode row
         assert_attn_close(out[prefill], exact[prefill], torch.float32, what=f"{name} {path}")
         assert _rows_close(out[64:65], approx[64:65], torch.float32).all(), f"{name} {path}"
