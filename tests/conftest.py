@@ -11,16 +11,45 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))  # tests import conftest's helpers
 DRIVER = Path(__file__).with_name("e2e_driver.py")
 E2E_DIR = Path(os.environ.get("KVQ_E2E_DIR") or tempfile.mkdtemp(prefix="kvq-e2e-"))
+E2E_DIR.mkdir(parents=True, exist_ok=True)
+
+
+ENGINE_TIMEOUT_S = 1200
+
+
+@lru_cache(maxsize=1)
+def _fork_server() -> subprocess.Popen:
+    """tests/e2e_driver.py --fork-server: vLLM imported once, a forked child per engine."""
+    return subprocess.Popen([sys.executable, str(DRIVER), "--fork-server"], text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=open(E2E_DIR / "fork-server.log", "w"))
 
 
 @lru_cache(maxsize=None)
 def run_engine(scenario: str, method: str, extra: str = "{}") -> dict:
-    """One real vLLM engine in its own process (tests/e2e_driver.py); cached per session."""
+    """One real vLLM engine in a process of its own (tests/e2e_driver.py); cached per
+    session. Single-worker engines are forked from the fork server; multi-worker ones
+    (pipeline/tensor parallel: their workers import vLLM anyway) run as a fresh driver."""
     out = E2E_DIR / f"{scenario}-{method}-{abs(hash(extra))}.json"
-    proc = subprocess.run([sys.executable, str(DRIVER), scenario, method, str(out), extra],
-                          capture_output=True, text=True, timeout=1200)
-    if proc.returncode:
-        raise AssertionError(f"{scenario}/{method} {extra} failed:\n{proc.stderr[-6000:]}")
+    argv = [scenario, method, str(out), extra]
+    parallel = json.loads(extra)
+    if parallel.get("pipeline_parallel_size", 1) * parallel.get("tensor_parallel_size", 1) > 1:
+        proc = subprocess.run([sys.executable, str(DRIVER), *argv], capture_output=True,
+                              text=True, timeout=ENGINE_TIMEOUT_S)
+        rc, log = proc.returncode, proc.stderr
+    else:
+        log_path = out.with_suffix(".log")
+        server = _fork_server()
+        server.stdin.write(json.dumps({"argv": argv, "log": str(log_path),
+                                       "timeout": ENGINE_TIMEOUT_S}) + "\n")
+        server.stdin.flush()
+        answer = server.stdout.readline()
+        rc = json.loads(answer)["rc"] if answer else "fork server gone"
+        log = log_path.read_text() if log_path.exists() else ""
+        if not answer:
+            log += (E2E_DIR / "fork-server.log").read_text()
+    if rc:
+        raise AssertionError(f"{scenario}/{method} {extra} failed ({rc}):\n{log[-6000:]}")
     return json.loads(out.read_text())
 
 

@@ -1,14 +1,20 @@
 """Runs one real vLLM engine (one scenario, one method) and writes what it saw as JSON.
 
-The end-to-end tests start this in a subprocess per engine, so every engine gets a clean
-process and teardown. `python tests/e2e_driver.py SCENARIO METHOD OUT [EXTRA_JSON]`.
+Every engine gets a process of its own, so a clean start and teardown:
+`python tests/e2e_driver.py SCENARIO METHOD OUT [EXTRA_JSON]` runs one, and
+`python tests/e2e_driver.py --fork-server` imports vLLM once and forks a fresh child per
+engine asked for on stdin (one JSON line each, see serve_forks), as vLLM's own test suite
+forks a process per test: `from vllm import LLM` alone takes ~10 s on 2 cores, ~30 times a
+suite.
 """
 import json
 import os
+import signal
 import sys
+import traceback
 
 from vllm_kvq.tools.evaluate import (GREEDY_PROMPTS, capacity, default_windows, engine_kwargs,
-                               greedy, greedy_with_margins, run_method)
+                                     greedy_with_margins, run_method)
 from vllm_kvq.model_prep import ensure_default_model
 from vllm_kvq.tools.faults import install_from_env as install_fault_from_env
 
@@ -34,9 +40,9 @@ def pages_budget(method: str, pages: int, max_num_seqs: int | None) -> int:
     return pages * page + pool
 
 
-def main():
-    scenario, method, out = sys.argv[1:4]
-    extra = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}
+def main(argv: list[str]):
+    scenario, method, out = argv[:3]
+    extra = json.loads(argv[3]) if len(argv) > 3 else {}
     os.environ.update(extra.pop("env", {}))  # inherited by the engine's processes
     if extra.get("pipeline_parallel_size", 1) == 1 and extra.get("tensor_parallel_size", 1) == 1:
         # One worker: vLLM's engine core and worker run in this process (no two child
@@ -66,8 +72,8 @@ def main():
         elif scenario == "greedy":
             prompts = [{"prompt_token_ids": p} for p in shared_prefix_prompts(windows)]
             # twice: with prefix caching on, the second round is served from cached blocks
-            result["first"] = greedy(llm, prompts, max_tokens=40)
-            result["second"] = greedy(llm, prompts, max_tokens=40)
+            result["first"], result["margins"] = greedy_with_margins(llm, prompts, 40)
+            result["second"], _ = greedy_with_margins(llm, prompts, 40)
         elif scenario == "preempt":
             # 8 prompts of ~700 tokens + 160 generated: 7 pages each, all at once
             # (distinct text: no prefix-cache sharing between them)
@@ -84,5 +90,39 @@ def main():
         json.dump(result, f)
 
 
+def serve_forks():
+    """Per stdin line {"argv": [...], "log": path, "timeout": s}: fork, run main(argv) in
+    the child with its stdout/stderr in `log`, answer {"rc": exit code} on stdout. Only
+    single-worker engines come here: the child exits without vLLM's teardown, which a
+    multi-worker engine needs to stop its workers."""
+    import vllm.v1.worker.cpu_worker  # noqa: F401  the expensive imports, done once
+    from vllm import LLM  # noqa: F401
+
+    for line in sys.stdin:
+        req = json.loads(line)
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            signal.alarm(req["timeout"])  # SIGALRM ends a hung engine
+            fd = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            code = 1
+            try:
+                main(req["argv"])
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print(json.dumps({"rc": os.waitstatus_to_exitcode(status)}), flush=True)
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--fork-server"]:
+        serve_forks()
+    else:
+        main(sys.argv[1:])
