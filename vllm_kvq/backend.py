@@ -142,10 +142,8 @@ class KVQMetadataBuilder(AttentionMetadataBuilder[KVQMetadata]):
                          seq_lens=cam.seq_lens[:S],
                          block_table=cam.block_table_tensor[:S],
                          slot_mapping=cam.slot_mapping, plan=None)
-        # The flash prefill path is opt-in (KVQ_FLASH_PREFILL=1). It was turned off when
-        # chunked runs differed from whole ones (KL 0.0166); the cause was the paged kernel
-        # (prefill rows taking the decode's int8 query) plus run-to-run rounding draws, not
-        # this path, but it has not been re-measured with the e2e chunk test since.
+        # Chunks of >= PREFILL_MIN_QUERY queries take the flash path (vllm_kvq.prefill) on the
+        # CPU unless KVQ_FLASH_PREFILL=0; decodes and short chunks stay on the paged kernel.
         on_cpu = self.device.type == "cpu" and prefill.FLASH_PREFILL
         if self.slots is None:
             if on_cpu and cam.max_query_len >= prefill.PREFILL_MIN_QUERY:
