@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 # Waiting OpenMP threads sleep instead of spinning, so process CPU time is the work done:
 # on a shared machine the CPU-time columns are the robust ones (wall time then includes
@@ -27,29 +25,13 @@ import torch  # noqa: E402
 
 from vllm_kvq import ops
 from vllm_kvq.formats import parse_format
-from vllm_kvq.tools.kernel_timing import (BASE_TOKENS, BLOCK, block_tables, decode_case,
-                                           repeat_pages)
+from vllm_kvq.tools.kernel_timing import (BASE_TOKENS, decode_case, timeit, vllm_available,
+                                           vllm_decode_case, vllm_isa)
 
 SHAPES = [(32, 8, 128), (9, 3, 64)]  # (query heads, kv heads, head_dim); 9/3/64 = SmolLM2
 BATCHES = [1, 4, 16]
 CONTEXTS = [1024, 4096, 16384]
 FORMATS = ["bf16", "fp8_e4m3", "int8_token", "int4_group32", "kivi4", "kivi2"]
-
-
-def timeit(fn, min_time=0.4, min_reps=3, max_reps=50):
-    """(wall ms, process CPU ms) per call, each the min over the repeats."""
-    fn()  # warm-up
-    fn()
-    times, cpu = [], []
-    t_end = time.perf_counter() + min_time
-    while len(times) < min_reps or (time.perf_counter() < t_end and len(times) < max_reps):
-        c0 = time.process_time()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-        cpu.append(time.process_time() - c0)
-    # min: the least disturbed run (shared machines are noisy)
-    return min(times) * 1e3, min(cpu) * 1e3
 
 
 def bench_ours(name, Hq, H, D, batch, ctx, gen, q, k, v):
@@ -59,55 +41,9 @@ def bench_ours(name, Hq, H, D, batch, ctx, gen, q, k, v):
     return ms, nbytes, out.clone()
 
 
-def vllm_available():
-    try:
-        from vllm.platforms.cpu import CpuPlatform
-        CpuPlatform.import_kernels()  # loads the right _C / _C_AVX512 / _C_AVX2 build
-        return hasattr(torch.ops._C, "cpu_attention_with_kv_cache")
-    except Exception as e:  # noqa: BLE001
-        print(f"vLLM CPU attention unavailable: {e!r}")
-        return False
-
-
-def _amx_permitted():
-    """Linux gives a process AMX tile state only after arch_prctl(ARCH_REQ_XCOMP_PERM,
-    XFEATURE_XTILEDATA); without it vLLM's AMX kernel dies with SIGILL on some kernels/VMs."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM
-    except Exception:  # noqa: BLE001
-        return False
-
-
-def vllm_isa():
-    if torch.cpu._is_amx_tile_supported() and _amx_permitted():
-        return "amx"
-    return "vec"  # block size 128 is a multiple of 32
-
-
 def bench_vllm(Hq, H, D, batch, ctx, gen, q, k, v):
-    isa = vllm_isa()
-    bt, total = block_tables(batch, ctx, gen)
-    kv = torch.empty(total, H, BLOCK, 2 * D, dtype=torch.bfloat16)
-    kc, vc = kv.view(total, H, 2 * BLOCK, D).chunk(2, dim=2)
-    nbase = min(total, BASE_TOKENS // BLOCK)
-    torch.ops._C.cpu_attn_reshape_and_cache(k[:nbase * BLOCK], v[:nbase * BLOCK], kc, vc,
-                                            torch.arange(nbase * BLOCK), isa, 1.0, 1.0, "auto")
-    repeat_pages(kv, nbase)
-    seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
-    qsl = torch.arange(batch + 1, dtype=torch.int32)
-    meta = torch.ops._C.get_scheduler_metadata(batch, Hq, H, D, seq_lens, torch.bfloat16, qsl,
-                                               True, -1, isa, True, None, "auto")
-    out = torch.empty_like(q)
-
-    def run():
-        torch.ops._C.cpu_attention_with_kv_cache(q, kc, vc, out, qsl, seq_lens, D ** -0.5, True,
-                                                 None, -1, bt, 0.0, meta, None, None, 1.0, 1.0,
-                                                 "auto")
-
-    ms = timeit(run)
-    return ms, batch * H * ctx * 2 * D * 2, out.clone()
+    run, out, nbytes = vllm_decode_case(Hq, H, D, batch, ctx, gen, q, k, v)
+    return timeit(run), nbytes, out.clone()
 
 
 def main():

@@ -16,18 +16,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_cpu_attention import timeit, vllm_available, vllm_isa  # noqa: E402
 
 from vllm_kvq import ops, prefill  # noqa: E402
 from vllm_kvq.formats import parse_format  # noqa: E402
 from vllm_kvq.reference import uniform_levels  # noqa: E402
+from vllm_kvq.tools.kernel_timing import timeit, vllm_available, vllm_isa  # noqa: E402
 
 BLOCK = 128
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}

@@ -4,8 +4,8 @@ block tables. Every sequence decodes one token at position ctx-1 of a paged cach
 size 128, shuffled block tables, distinct blocks per sequence); only BASE_TOKENS tokens are
 quantized, their pages repeated over the rest of the cache (distinct memory, real data).
 
-The compare tool's own copy of what benchmarks/bench_cpu_attention.py measures (that
-script prints a wider table; the methods are the same)."""
+One definition of each case, used by the compare tool and by benchmarks/
+bench_cpu_attention.py / bench_prefill.py (which print wider tables)."""
 from __future__ import annotations
 
 import time
@@ -20,17 +20,20 @@ BLOCK = 128
 BASE_TOKENS = 2048
 
 
-def timeit(fn, min_time=0.4, min_reps=3, max_reps=50) -> float:
-    """ms per call: the minimum over repeats (the least disturbed run on a shared machine)."""
+def timeit(fn, min_time=0.4, min_reps=3, max_reps=50) -> tuple[float, float]:
+    """(wall ms, process CPU ms) per call, each the minimum over repeats (the least
+    disturbed run on a shared machine)."""
     fn()  # warm-up
     fn()
-    times = []
+    times, cpu = [], []
     t_end = time.perf_counter() + min_time
     while len(times) < min_reps or (time.perf_counter() < t_end and len(times) < max_reps):
+        c0 = time.process_time()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return min(times) * 1e3
+        cpu.append(time.process_time() - c0)
+    return min(times) * 1e3, min(cpu) * 1e3
 
 
 def block_tables(batch: int, ctx: int, gen):
@@ -81,7 +84,7 @@ def decode_case(name: str, H, D, batch, ctx, gen, q, k, v):
 
 def time_ours(name: str, Hq, H, D, batch, ctx, gen, q, k, v) -> float:
     """ms per decode call of format `name`."""
-    return timeit(decode_case(name, H, D, batch, ctx, gen, q, k, v)[2])
+    return timeit(decode_case(name, H, D, batch, ctx, gen, q, k, v)[2])[0]
 
 
 def vllm_available() -> bool:
@@ -94,9 +97,28 @@ def vllm_available() -> bool:
         return False
 
 
-def time_vllm(Hq, H, D, batch, ctx, gen, q, k, v) -> float:
-    """ms per decode call of vLLM's bf16 CPU attention op."""
-    isa = "amx" if torch.cpu._is_amx_tile_supported() else "vec"  # block 128: a multiple of 32
+def _amx_permitted() -> bool:
+    """Linux gives a process AMX tile state only after arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA); without it vLLM's AMX kernel dies with SIGILL on some kernels/VMs."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.syscall(158, 0x1023, 18) == 0  # SYS_arch_prctl, ARCH_REQ_XCOMP_PERM
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def vllm_isa() -> str:
+    """The ISA vLLM's CPU attention uses here: AMX where the CPU and kernel allow it."""
+    if torch.cpu._is_amx_tile_supported() and _amx_permitted():
+        return "amx"
+    return "vec"  # block size 128 is a multiple of 32
+
+
+def vllm_decode_case(Hq, H, D, batch, ctx, gen, q, k, v):
+    """(run, out, kv_bytes): vLLM's bf16 paged cache filled from k/v like decode_case's, and
+    `run()` calling its CPU attention op for q at position ctx-1 into `out`."""
+    isa = vllm_isa()
     bt, total = block_tables(batch, ctx, gen)
     kv = torch.empty(total, H, BLOCK, 2 * D, dtype=torch.bfloat16)
     kc, vc = kv.view(total, H, 2 * BLOCK, D).chunk(2, dim=2)
@@ -109,6 +131,15 @@ def time_vllm(Hq, H, D, batch, ctx, gen, q, k, v) -> float:
     meta = torch.ops._C.get_scheduler_metadata(batch, Hq, H, D, seq_lens, torch.bfloat16, qsl,
                                                True, -1, isa, True, None, "auto")
     out = torch.empty_like(q)
-    return timeit(lambda: torch.ops._C.cpu_attention_with_kv_cache(
-        q, kc, vc, out, qsl, seq_lens, D ** -0.5, True, None, -1, bt, 0.0, meta, None, None,
-        1.0, 1.0, "auto"))
+
+    def run():
+        torch.ops._C.cpu_attention_with_kv_cache(q, kc, vc, out, qsl, seq_lens, D ** -0.5, True,
+                                                 None, -1, bt, 0.0, meta, None, None, 1.0, 1.0,
+                                                 "auto")
+
+    return run, out, batch * H * ctx * 2 * D * 2
+
+
+def time_vllm(Hq, H, D, batch, ctx, gen, q, k, v) -> float:
+    """ms per decode call of vLLM's bf16 CPU attention op."""
+    return timeit(vllm_decode_case(Hq, H, D, batch, ctx, gen, q, k, v)[0])[0]
