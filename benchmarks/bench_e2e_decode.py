@@ -66,6 +66,10 @@ def _measure(llm, prompts, args) -> dict:
 
 
 def _child(method: str, model: str, args, q) -> None:
+    # The engine runs in this (spawned) process: with vLLM's engine-core child under a
+    # spawned parent, the engine core died silently after startup here and the run hung.
+    # Every row (vLLM's own backend too) runs the same way, on all the cores.
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     try:
         llm = _engine(method, model, args)
         q.put({"method": method, **_measure(llm, _prompts(model, args.seqs, args.prompt_len),
