@@ -26,6 +26,7 @@ import torch
 
 from vllm_kvq import ops, reference
 from vllm_kvq.formats import EXAMPLE_NAMES, parse_format
+from vllm_kvq.tools.paged_attention_case import attention_case
 
 pytest.importorskip("vllm_kvq._C")
 
@@ -269,58 +270,34 @@ SEQS = [(40, 40), (90, 25), (20, 0), (61, 1), (270, 30), (300, 1)]
 
 def build_case(name, D, B, gq, H, dtype, seqs=SEQS, seed=0, kind="normal", extra_rows=3,
                levels=(None, None), tokens=None):
-    """Cache written with ops.write_cache (byte-identical to the reference, tested above),
-    staging rows for positions >= floor((first+1)/R)*R, shuffled block tables.
-    levels: (k_levels, v_levels) of nuq formats; tokens(s, L) -> (k, v) [L, H, D] replaces
-    the generated K/V of sequence s."""
+    """The shared case (vllm_kvq.tools.paged_attention_case.attention_case: cache written
+    by the reference, byte-identical to ops.write_cache as tested above; staging rows for
+    positions >= floor((first+1)/R)*R; shuffled block tables, unused entries past the
+    cache), with this file's data kinds and static scales and ops.paged_attention's
+    argument names. seqs: (seq_len, queries this step); levels: (k_levels, v_levels) of nuq
+    formats; tokens(s, L) -> (k, v) [L, H, D] replaces the generated K/V of sequence s."""
     fmt = parse_format(name) if isinstance(name, str) else name
-    kl, vl = levels
-    lay = fmt.layout(D, B)
-    R = fmt.residual_chunk
     gen = torch.Generator().manual_seed(seed)
-    S = len(seqs)
-    nblk = [(L + B - 1) // B for L, _ in seqs]
-    total_blocks = sum(nblk) + 3
-    perm = torch.randperm(total_blocks, generator=gen)
-    maxb = max(nblk) + 1
-    block_table = torch.full((S, maxb), 10**6, dtype=torch.int32)  # unused entries: garbage
-    cache = torch.randint(0, 256, (total_blocks, H, B, lay.token_bytes), dtype=torch.uint8,
-                          generator=gen)
-    ks, vs = _scales(fmt, H, gen)
-    queries, stk, stv, st_loc, st_pos0 = [], [], [], [0], []
-    qsl = [0]
-    used = 0
-    for s, (L, nq) in enumerate(seqs):
-        block_table[s, :nblk[s]] = perm[used:used + nblk[s]].to(torch.int32)
-        used += nblk[s]
-        k = make_tokens(kind, L, H, D, gen).to(dtype)
-        v = make_tokens(kind, L, H, D, gen).to(dtype)
+    scales = _scales(fmt, H, gen)
+
+    def kv(s, L):
         if tokens is not None:
-            k, v = (t.to(dtype) for t in tokens(s, L))
+            return tokens(s, L)
+        k, v = make_tokens(kind, L, H, D, gen), make_tokens(kind, L, H, D, gen)
         if kind == "adversarial":  # the special tokens land mid-sequence
             k, v = k.roll(L // 3, 0), v.roll(L // 3, 0)
-        Fp = L // R * R  # positions < Fp are in the pages
-        if Fp:
-            pos = torch.arange(Fp)
-            slots = block_table[s, pos // B].to(torch.int64) * B + pos % B
-            ops.write_cache(k[:Fp], v[:Fp], cache, slots, fmt, ks, vs, kl, vl)
-        first = L - nq
-        p0 = min((first + 1) // R * R, L) if R > 1 else L
-        st_pos0.append(p0)
-        stk.append(k[p0:])
-        stv.append(v[p0:])
-        st_loc.append(st_loc[-1] + (L - p0))
-        queries.append(torch.randn(nq, H * gq, D, generator=gen).to(dtype))
-        qsl.append(qsl[-1] + nq)
-    q = torch.cat(queries + [torch.randn(extra_rows, H * gq, D, generator=gen).to(dtype)])
-    case = dict(fmt=fmt, lay=lay, query=q, cache=cache, block_table=block_table,
-                seq_lens=torch.tensor([L for L, _ in seqs], dtype=torch.int32),
-                query_start_loc=torch.tensor(qsl, dtype=torch.int32),
-                softmax_scale=D ** -0.5, k_scale=ks, v_scale=vs, k_levels=kl, v_levels=vl)
-    if R > 1:
-        case.update(staging_k=torch.cat(stk), staging_v=torch.cat(stv),
-                    staging_start_loc=torch.tensor(st_loc, dtype=torch.int32),
-                    staging_pos0=torch.tensor(st_pos0, dtype=torch.int32))
+        return k, v
+
+    c = attention_case(fmt, D, H * gq, H, B, qlens=[nq for _, nq in seqs],
+                       ctx=[L - nq for L, nq in seqs], dtype=dtype, seed=seed, scales=scales,
+                       levels=levels, tokens=kv, extra_rows=extra_rows, unused_block=10**6,
+                       expected=False)
+    case = dict(fmt=fmt, lay=c["lay"], query=c["q"], cache=c["cache"], block_table=c["bt"],
+                seq_lens=c["sl"], query_start_loc=c["qsl"], softmax_scale=c["scale"],
+                k_scale=scales[0], v_scale=scales[1], k_levels=levels[0], v_levels=levels[1])
+    if fmt.residual_chunk > 1:
+        case.update(staging_k=c["sk"], staging_v=c["sv"], staging_start_loc=c["ssl"],
+                    staging_pos0=c["sp0"])
     return case
 
 

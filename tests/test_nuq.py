@@ -19,6 +19,7 @@ from vllm_kvq import ops
 from vllm_kvq import reference as ref
 from vllm_kvq.config import config_from_dict, load_levels, resolve_calibration
 from vllm_kvq.formats import Codec, FormatError, KVFormat, parse_format
+from vllm_kvq.tools.calibrate.normalize import codec_granularity, normalize
 from test_kernels import (PATHS, _seed, _slots_for, assert_attn_close, assert_same_cache,
                           build_case, make_tokens, run_mine, run_ref, simd)
 
@@ -380,22 +381,11 @@ def real_kv():
 
 
 def quantile_levels(x: torch.Tensor, codec: Codec) -> torch.Tensor:
-    """Levels at evenly spaced quantiles of x's normalized values (x - zero) / scale in its
-    codec's scale groups, outliers left out; ends pinned at +-1."""
-    T, D = x.shape
-    st = x
-    if codec.outliers:
-        st = ref.outlier_stats(x, ref.select_outliers(x, codec.outliers))
-    if codec.granularity == "group":
-        g = st.reshape(T, D // codec.group, codec.group)
-    elif codec.granularity == "channel":
-        g = st.reshape(T // codec.group, codec.group, D).transpose(1, 2)
-    else:
-        g = st
-    lo = torch.nan_to_num(g, nan=float("inf")).amin(-1, keepdim=True)
-    hi = torch.nan_to_num(g, nan=float("-inf")).amax(-1, keepdim=True)
-    xn = (g - (hi + lo) / 2) / ((hi - lo) / 2).clamp(min=1e-6)
-    xn = xn[torch.isfinite(xn)].clamp(-1, 1)
+    """Levels at evenly spaced quantiles of x's [T, D] normalized values in its codec's scale
+    groups (vllm_kvq.tools.calibrate.normalize: the quantizer's own normalization; outliers,
+    non-finite values and constant groups left out); ends pinned at +-1."""
+    xn, _, _, valid = normalize(x[None, None], codec_granularity(codec))
+    xn = xn[valid]
     q = torch.quantile(xn[::max(1, xn.numel() // 50000)], torch.linspace(0, 1, 2 ** codec.bits))
     q[0], q[-1] = -1.0, 1.0
     return torch.sort(q).values.float()

@@ -3,8 +3,6 @@ torch.ops.vllm_kvq.dequantize_pages, then torch's CPU flash attention with the r
 window's masks, equals reference.paged_attention for every codec kind, R 1/32/128, chunked
 prefill with context, GQA, D 64/128, fp32 and bf16 queries; mixed batches split between the
 paged kernel (decodes, short chunks) and the flash path."""
-import contextlib
-import functools
 
 import pytest
 import torch
@@ -27,26 +25,9 @@ def levels(fmt):
             for s, c in (("k", fmt.key), ("v", fmt.value))}
 
 
-@contextlib.contextmanager
-def codebooks(fmt):
-    """attention_case writes and reads through the reference without codebooks: give the
-    reference the uniform ones for nuq formats while it builds the case."""
-    lv = levels(fmt)
-    if not any(x is not None for x in lv.values()):
-        yield
-        return
-    w, pa = ref.write_cache, ref.paged_attention
-    ref.write_cache = functools.partial(w, **lv)
-    ref.paged_attention = functools.partial(pa, **lv)
-    try:
-        yield
-    finally:
-        ref.write_cache, ref.paged_attention = w, pa
-
-
 def case_for(fmt, D, Hq, H, B, **kw):
-    with codebooks(fmt):
-        return attention_case(fmt, D, Hq, H, B, **kw)
+    lv = levels(fmt)
+    return attention_case(fmt, D, Hq, H, B, levels=(lv["k_levels"], lv["v_levels"]), **kw)
 
 
 def run(fmt, D, Hq, H, qlens, ctx, dtype, seed=0, B=128, min_query=prefill.PREFILL_MIN_QUERY):

@@ -27,14 +27,24 @@ def static_scales(fmt, H: int, seed: int) -> list[torch.Tensor]:
 
 
 def attention_case(fmt, D: int, Hq: int, H: int, B: int, qlens: list[int], ctx: list[int],
-                   dtype, seed: int, spare_blocks: int = 3) -> dict:
+                   dtype, seed: int, spare_blocks: int = 3, *, scales=None,
+                   levels=(None, None), tokens=None, extra_rows: int = 0,
+                   unused_block: int = 0, expected: bool = True) -> dict:
     """CPU tensors of one batch: sequence s has ctx[s] tokens before its qlens[s] query
     tokens. Keys: the paged_attention arguments (q, cache, bt, sl, qsl, sk, sv, ssl, sp0, R,
-    scale), the layout `lay`, static scales `ks`, `vs` and `expected` (float32)."""
+    scale), the layout `lay`, static scales `ks`, `vs`, codebooks `kl`, `vl` and (expected=
+    True) the reference's output `expected` (float32).
+
+    scales: (ks, vs) per-head static scales (default static_scales(fmt, H, seed)); levels:
+    (k_levels, v_levels) of nuq codecs; tokens(s, L) -> (k, v) [L, H, D] replaces sequence
+    s's generated K/V; extra_rows: query rows past the batch's last (kernels must leave
+    their output alone); unused_block: block-table entry of every unused column (one more
+    column than the longest sequence needs), e.g. a block far past the cache."""
     g = torch.Generator().manual_seed(seed)
-    ks, vs = static_scales(fmt, H, seed)
+    ks, vs = scales if scales is not None else static_scales(fmt, H, seed)
     kref = ks if fmt.key.static_scale else None
     vref = vs if fmt.value.static_scale else None
+    kl, vl = levels
     lay = fmt.layout(D, B)
     R = fmt.residual_chunk
     S = len(qlens)
@@ -43,37 +53,43 @@ def attention_case(fmt, D: int, Hq: int, H: int, B: int, qlens: list[int], ctx: 
     nb = sum(nblk) + spare_blocks
     cache = torch.randint(0, 256, (nb, H, B, lay.token_bytes), dtype=torch.uint8, generator=g)
     perm = torch.randperm(nb, generator=g)
-    bt = torch.zeros(S, max(nblk), dtype=torch.int32)
+    bt = torch.full((S, max(nblk) + 1), unused_block, dtype=torch.int32)
     used = 0
     Ks, Vs = [], []
     for s in range(S):
         bt[s, :nblk[s]] = perm[used:used + nblk[s]].to(torch.int32)
         used += nblk[s]
-        k = (torch.randn(L[s], H, D, generator=g) * 1.5).to(dtype)
-        v = torch.randn(L[s], H, D, generator=g).to(dtype)
+        if tokens is None:
+            k = torch.randn(L[s], H, D, generator=g) * 1.5
+            v = torch.randn(L[s], H, D, generator=g)
+        else:
+            k, v = tokens(s, L[s])
+        k, v = k.to(dtype), v.to(dtype)
         Ks.append(k)
         Vs.append(v)
         Fw = L[s] // R * R  # whole residual chunks are in the pages
         if Fw:
-            slots = torch.tensor([int(bt[s, j // B]) * B + j % B for j in range(Fw)],
-                                 dtype=torch.int64)
-            ref.write_cache(k[:Fw], v[:Fw], cache, slots, fmt, lay, kref, vref)
+            pos = torch.arange(Fw)
+            slots = bt[s, pos // B].to(torch.int64) * B + pos % B
+            ref.write_cache(k[:Fw], v[:Fw], cache, slots, fmt, lay, kref, vref, kl, vl)
     st_k, st_v, ssl, sp0 = [], [], [0], []
     for s in range(S):
-        pos0 = (L[s] - qlens[s] + 1) // R * R if R > 1 else L[s]
+        # the staging rows: positions from F(first query) = floor((first + 1) / R) * R
+        pos0 = min((L[s] - qlens[s] + 1) // R * R, L[s]) if R > 1 else L[s]
         sp0.append(pos0)
         st_k.append(Ks[s][pos0:])
         st_v.append(Vs[s][pos0:])
         ssl.append(ssl[-1] + L[s] - pos0)
     sk = torch.cat(st_k) if R > 1 else torch.zeros(0, H, D, dtype=dtype)
     sv = torch.cat(st_v) if R > 1 else torch.zeros(0, H, D, dtype=dtype)
-    q = torch.randn(sum(qlens), Hq, D, generator=g).to(dtype)
+    q = torch.randn(sum(qlens) + extra_rows, Hq, D, generator=g).to(dtype)
     qsl = torch.tensor([0] + [int(x) for x in torch.tensor(qlens).cumsum(0)], dtype=torch.int32)
     case = dict(q=q, cache=cache, bt=bt, sl=torch.tensor(L, dtype=torch.int32), qsl=qsl,
                 sk=sk, sv=sv, ssl=torch.tensor(ssl, dtype=torch.int32),
                 sp0=torch.tensor(sp0, dtype=torch.int32), R=R, scale=1.0 / math.sqrt(D),
-                lay=lay, ks=ks, vs=vs)
-    case["expected"] = ref.paged_attention(q, cache, bt, case["sl"], qsl, fmt, lay,
-                                           case["scale"], kref, vref, sk, sv, case["ssl"],
-                                           case["sp0"]).float()
+                lay=lay, ks=ks, vs=vs, kl=kl, vl=vl)
+    if expected:
+        case["expected"] = ref.paged_attention(q, cache, bt, case["sl"], qsl, fmt, lay,
+                                               case["scale"], kref, vref, sk, sv, case["ssl"],
+                                               case["sp0"], kl, vl).float()
     return case
