@@ -62,6 +62,7 @@ def main(argv: list[str]):
         from vllm import LLM
 
         budget = extra.pop("kv_budget", 256 << 20)
+        new_tokens = extra.pop("new_tokens", 0)
         if "kv_pages" in extra:  # a budget of exactly this many pages (+ residual pool)
             budget = pages_budget(method, extra.pop("kv_pages"), extra.get("max_num_seqs"))
         extra.setdefault("disable_log_stats", False)  # preemption counts
@@ -75,12 +76,12 @@ def main(argv: list[str]):
             result["first"], result["margins"] = greedy_with_margins(llm, prompts, 40)
             result["second"], _ = greedy_with_margins(llm, prompts, 40)
         elif scenario == "preempt":
-            # 8 prompts of ~700 tokens + 160 generated: 7 pages each, all at once
-            # (distinct text: no prefix-cache sharing between them)
+            # 8 prompts of 700-763 tokens + new_tokens generated (7 pages each for 160),
+            # all at once (distinct text: no prefix-cache sharing between them)
             prompts = [windows[i % 4][200 * (i // 4):200 * (i // 4) + 700 + 9 * i]
                        for i in range(8)]
             result["tokens"], result["margins"] = greedy_with_margins(
-                llm, [{"prompt_token_ids": p} for p in prompts], 160, ignore_eos=True)
+                llm, [{"prompt_token_ids": p} for p in prompts], new_tokens, ignore_eos=True)
         else:
             raise SystemExit(f"unknown scenario {scenario}")
         stats = llm.llm_engine.get_metrics() if hasattr(llm.llm_engine, "get_metrics") else []

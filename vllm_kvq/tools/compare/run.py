@@ -83,7 +83,8 @@ def run_compare(plan: Plan, out: Path) -> dict:
         spec_path.unlink()
         if rc == 0:
             runs[method] = json.loads(run_path.read_text())
-            runs[method]["engine_cores"] = engine_cores(out / "logs" / f"{method}.log")
+            if not runs[method].get("engine_cores"):  # an engine in child processes
+                runs[method]["engine_cores"] = engine_cores(out / "logs" / f"{method}.log")
         else:
             failures[method] = err
             tqdm.write(f"{method}: unavailable: {err}")

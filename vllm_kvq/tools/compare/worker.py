@@ -153,7 +153,12 @@ def run_speed(llm, contexts: list[int], batches: list[int], decode_tokens: int,
 
 def run_worker(spec: dict) -> dict:
     """One method, one engine: capacity, quality, greedy, passkey, speed."""
-    os.environ.update(spec.get("env", {}))  # inherited by the engine's processes
+    os.environ.update(spec.get("env", {}))
+    # The engine runs in this process (one per method already): no engine-core and worker
+    # children importing torch and vLLM again (~20 s per engine on 2 cores), and its OpenMP
+    # threads get every core (vLLM's worker child leaves one to the frontend). Every row,
+    # vLLM's own backends too, runs the same way.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     install_fault_from_env()  # test-only (VLLM_KVQ_FAULT): patched into this process
     from vllm import LLM
 
@@ -167,7 +172,9 @@ def run_worker(spec: dict) -> dict:
                               # per-request timestamps (RequestOutput.metrics) need stats on
                               **({"disable_log_stats": False} if timing == "engine" else {})))
     res = {"method": method, "kv_budget": spec["kv_budget"], **capacity(llm),
-           "startup_s": time.perf_counter() - t0}
+           "startup_s": time.perf_counter() - t0,
+           # vLLM's CPU worker bound this (its) thread's OpenMP team to these cores
+           "engine_cores": ", ".join(map(str, sorted(os.sched_getaffinity(0))))}
     t = time.perf_counter()
     if spec.get("windows"):
         progress("quality (teacher-forced)")
