@@ -10,6 +10,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests import conftest's helpers
 DRIVER = Path(__file__).with_name("e2e_driver.py")
+from e2e_driver import single_worker  # noqa: E402
 E2E_DIR = Path(os.environ.get("KVQ_E2E_DIR") or tempfile.mkdtemp(prefix="kvq-e2e-"))
 E2E_DIR.mkdir(parents=True, exist_ok=True)
 
@@ -32,8 +33,7 @@ def run_engine(scenario: str, method: str, extra: str = "{}") -> dict:
     (pipeline/tensor parallel: their workers import vLLM anyway) run as a fresh driver."""
     out = E2E_DIR / f"{scenario}-{method}-{abs(hash(extra))}.json"
     argv = [scenario, method, str(out), extra]
-    parallel = json.loads(extra)
-    if parallel.get("pipeline_parallel_size", 1) * parallel.get("tensor_parallel_size", 1) > 1:
+    if not single_worker(json.loads(extra)):
         proc = subprocess.run([sys.executable, str(DRIVER), *argv], capture_output=True,
                               text=True, timeout=ENGINE_TIMEOUT_S)
         rc, log = proc.returncode, proc.stderr

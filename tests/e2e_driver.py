@@ -40,11 +40,16 @@ def pages_budget(method: str, pages: int, max_num_seqs: int | None) -> int:
     return pages * page + pool
 
 
+def single_worker(extra: dict) -> bool:
+    """The engine has one worker (no pipeline or tensor parallelism)."""
+    return extra.get("pipeline_parallel_size", 1) * extra.get("tensor_parallel_size", 1) == 1
+
+
 def main(argv: list[str]):
     scenario, method, out = argv[:3]
     extra = json.loads(argv[3]) if len(argv) > 3 else {}
     os.environ.update(extra.pop("env", {}))  # inherited by the engine's processes
-    if extra.get("pipeline_parallel_size", 1) == 1 and extra.get("tensor_parallel_size", 1) == 1:
+    if single_worker(extra):
         # One worker: vLLM's engine core and worker run in this process (no two child
         # processes that import torch and vLLM again, ~20 s per engine on 2 cores) and its
         # OpenMP threads use every core (the child worker reserves one for the frontend).

@@ -106,6 +106,14 @@ def test_capacity_follows_the_format(method):
             fmt.ratio_vs_bf16(SMOL["head_dim"], 128), rel=0.02)
 
 
+def assert_same_up_to_ties(got, want, margins, tie_nats):
+    """Per sequence, `got`'s greedy tokens equal `want`'s until, if ever, a step where
+    `want`'s top two log-probs (`margins`) were less than `tie_nats` apart."""
+    for a, b, m in zip(got, want, margins, strict=True):
+        i = first_divergence(a, b)
+        assert i is None or m[i] < tie_nats, (i, m[:i + 1])
+
+
 # Greedy tokens of a prefix-cached run match the uncached run's up to a tie this close.
 PREFIX_TIE_NATS = 1.0
 
@@ -128,9 +136,7 @@ def test_prefix_caching_does_not_change_outputs(method):
     cached = run("greedy", method, json.dumps({"enable_prefix_caching": True}))
     assert plain["first"] == plain["second"]  # no cache: the same batches, the same tokens
     for rnd in ("first", "second"):
-        for a, b, margins in zip(cached[rnd], plain["first"], plain["margins"], strict=True):
-            i = first_divergence(a, b)
-            assert i is None or margins[i] < PREFIX_TIE_NATS, (rnd, i, margins[:i + 1])
+        assert_same_up_to_ties(cached[rnd], plain["first"], plain["margins"], PREFIX_TIE_NATS)
 
 
 CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 96, "max_num_seqs": 4}
@@ -181,9 +187,7 @@ def test_preemption_completes_every_request():
     assert tight["num_blocks"] <= 20 and roomy["preemptions"] == 0
     assert tight["preemptions"] > 0, tight["preemptions"]
     assert [len(t) for t in tight["tokens"]] == [PREEMPT_TOKENS] * 8
-    for a, b, margins in zip(tight["tokens"], roomy["tokens"], roomy["margins"]):
-        i = first_divergence(a, b)
-        assert i is None or margins[i] < PREEMPT_TIE_NATS, (i, margins[:i + 1])
+    assert_same_up_to_ties(tight["tokens"], roomy["tokens"], roomy["margins"], PREEMPT_TIE_NATS)
 
 
 PREEMPT_TOKENS = 160

@@ -172,9 +172,11 @@ def run_worker(spec: dict) -> dict:
                               # per-request timestamps (RequestOutput.metrics) need stats on
                               **({"disable_log_stats": False} if timing == "engine" else {})))
     res = {"method": method, "kv_budget": spec["kv_budget"], **capacity(llm),
-           "startup_s": time.perf_counter() - t0,
-           # vLLM's CPU worker bound this (its) thread's OpenMP team to these cores
-           "engine_cores": ", ".join(map(str, sorted(os.sched_getaffinity(0))))}
+           "startup_s": time.perf_counter() - t0}
+    if os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0":
+        # in this process, vLLM's CPU worker bound this thread's OpenMP team to these cores
+        # (an engine in child processes logs them instead: run.py reads the log)
+        res["engine_cores"] = ", ".join(map(str, sorted(os.sched_getaffinity(0))))
     t = time.perf_counter()
     if spec.get("windows"):
         progress("quality (teacher-forced)")
