@@ -564,6 +564,7 @@ static void qk_int_rows(int MBq, const int8_t* q8, int D, const TileSrc& ts, int
   switch (MBq) {
     case 1: qk_int<BITS, GRP, 1>(q8, D, ts, ta, tb, lidx, gbase, S); return;
     case 2: qk_int<BITS, GRP, 2>(q8, D, ts, ta, tb, lidx, gbase, S); return;
+    case 3: qk_int<BITS, GRP, 3>(q8, D, ts, ta, tb, lidx, gbase, S); return;
     case 4: qk_int<BITS, GRP, 4>(q8, D, ts, ta, tb, lidx, gbase, S); return;
     case 8: qk_int<BITS, GRP, (8 <= W ? 8 : 1)>(q8, D, ts, ta, tb, lidx, gbase, S); return;
     default: qk_int<BITS, GRP, (16 <= W ? 16 : 1)>(q8, D, ts, ta, tb, lidx, gbase, S); return;
@@ -698,7 +699,7 @@ static void pv_fused(const float* P, const TileSrc& ts, int a, int b, int D, flo
 
 // Row counts the fused kernels are instantiated for (M is padded up to one of them).
 static inline int fused_rows(int M) {
-  if (M <= 4) return M == 3 ? 4 : M;
+  if (M <= 4) return M;  // 3 rows: W/3 tokens per block (one idle accumulator at most)
   if (M <= 8) return 8;
   return 16;
 }
@@ -708,6 +709,7 @@ static void qk_fused_kind(KT<KIND, VEC, PERM>, int MBq, const float* Q, const Ti
   switch (MBq) {
     case 1: qk_fused<KIND, VEC, PERM, 1>(Q, ts, nt, D, S); return;
     case 2: qk_fused<KIND, VEC, PERM, 2>(Q, ts, nt, D, S); return;
+    case 3: qk_fused<KIND, VEC, PERM, 3>(Q, ts, nt, D, S); return;
     case 4: qk_fused<KIND, VEC, PERM, 4>(Q, ts, nt, D, S); return;
     case 8: qk_fused<KIND, VEC, PERM, (8 <= W ? 8 : 1)>(Q, ts, nt, D, S); return;
     default: qk_fused<KIND, VEC, PERM, (16 <= W ? 16 : 1)>(Q, ts, nt, D, S); return;

@@ -16,7 +16,7 @@ namespace kvq_cpu {
 enum DType : int32_t { DT_F32 = 0, DT_F16 = 1, DT_BF16 = 2 };
 
 // Key tokens per tile: K (then V) of one tile is dequantized into a TT x D fp32 scratch.
-constexpr int kTileTokens = 32;
+constexpr int kTileTokens = 64;
 
 struct AttnParams {
   const void* q;            // [T, Hq, D]

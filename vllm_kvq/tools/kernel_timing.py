@@ -75,9 +75,13 @@ def decode_case(name: str, H, D, batch, ctx, gen, q, k, v):
                      staging_start_loc=torch.arange(batch + 1, dtype=torch.int32) * n_st,
                      staging_pos0=torch.full((batch,), p0, dtype=torch.int32))
     out = torch.empty_like(q)
+    # The serving path's call (the backend's LayerOps: the extension op, arguments resolved
+    # once), as vLLM's op is called directly below; ops.paged_attention's Python checks
+    # (~50 us a call on 2 cores) are not what a served step pays.
+    layer = ops.LayerOps(fmt, H, D, q.device, **lv)
 
     def run():
-        ops.paged_attention(q, cache, bt, seq_lens, qsl, fmt, D ** -0.5, out=out, **extra, **lv)
+        layer.attend(q, cache, bt, seq_lens, qsl, D ** -0.5, out, **extra)
 
     return fmt, lay, run, out
 
