@@ -81,6 +81,8 @@ def test_residual_memory_is_per_sequence():
     ("int4_group32_r96", 128, 128, "residual_tokens=96 must divide block_size=128"),
     ("int4_tensor", 128, 128, "static .* symmetric"),
     ("q4_0", 128, 128, "unknown format 'q4_0'; allowed"),
+    ("int4_token_rot", 96, 32, r"rotation=hadamard needs head_dim in \(64, 128, 256\)"),
+    ("int4_group32_rot_rot", 64, 32, "_rot is given twice"),
 ])
 def test_bad_formats_say_what_is_allowed(name, D, B, match):
     with pytest.raises(FormatError, match=match):
@@ -93,9 +95,22 @@ def test_bad_formats_say_what_is_allowed(name, D, B, match):
     ({"method": "int", "bits": 4}, "int4_group32"),
     ({"method": "fp8"}, "fp8_e4m3"),
     ({"method": "int4_group32", "residual_tokens": "128"}, "int4_group32[residual_tokens=128]"),
+    ({"method": "int4_group32", "rotation": "hadamard"}, "int4_group32_rot"),
+    ({"method": "int4_group32_rot", "rotation": "none"}, "int4_group32"),
+    ({"method": "kivi", "rotation": "hadamard"}, "kivi2_rot"),
 ])
 def test_config_maps_to_formats(d, name):
     assert config_from_dict(d).fmt.name == name
+    assert config_from_dict(d).fmt.rotation == ("hadamard" if name.endswith("_rot") else "none")
+
+
+def test_rotation_suffix_keeps_the_rest_of_the_name():
+    f = parse_format("int4_token_o1_r32_rot")
+    assert (f.rotation, f.residual_tokens, f.key.outliers) == ("hadamard", 32, 1)
+    assert f.with_residual(0).name == "int4_token_o1_rot"
+    assert f.with_outliers(2).name == "int4_token_o2_r32_rot"
+    assert parse_format(f.with_outliers(2).name) == f.with_outliers(2)
+    assert f.layout(64, 32) == parse_format("int4_token_o1_r32").layout(64, 32)  # same bytes
 
 
 @pytest.mark.parametrize("d,match", [
@@ -105,6 +120,8 @@ def test_config_maps_to_formats(d, name):
     ({"method": "int", "colour": 1}, r"unknown kvq key\(s\) \['colour'\]"),
     ({"method": "int", "k_scale": -1}, "kvq.k_scale=-1 must be a positive number"),
     ({"method": "int", "key_granularity": "row"}, "granularity='row' is not allowed"),
+    ({"method": "int", "rotation": "random"},
+     "kvq.rotation='random' is not allowed; allowed: none, hadamard"),
 ])
 def test_bad_config_names_key_value_and_allowed(d, match):
     with pytest.raises(FormatError, match=match):

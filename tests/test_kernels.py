@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from vllm_kvq import ops, reference
+from vllm_kvq import ops, reference, rotation
 from vllm_kvq.formats import EXAMPLE_NAMES, parse_format
 from vllm_kvq.tools.paged_attention_case import attention_case
 
@@ -395,9 +395,19 @@ def run_ref_int8q(c):
 
 
 def run_refs(c):
-    """The references a kernel row may match: exact, and with the int8 query for int keys."""
+    """The references a kernel row may match: exact, and with the int8 query for int keys
+    (of a rotated format: the rotated query is what the kernel rounds)."""
     ref = run_ref(c)
-    return [ref, run_ref_int8q(c)] if int_query_codec(c["fmt"]) else ref
+    if not int_query_codec(c["fmt"]):
+        return ref
+    if c["fmt"].rotation == "none":
+        return [ref, run_ref_int8q(c)]
+    R = rotation.matrix(c["query"].shape[-1], "cpu")
+    plain = dict(c, fmt=c["fmt"].with_rotation("none"), query=rotation.rotate(c["query"], R))
+    if c.get("staging_k") is not None:
+        plain.update(staging_k=rotation.rotate(c["staging_k"], R),
+                     staging_v=rotation.rotate(c["staging_v"], R))
+    return [ref, rotation.unrotate(run_ref_int8q(plain), R)]
 
 
 def run_mine(c, path=None, **over):
@@ -519,6 +529,58 @@ def test_attention_shapes(name, D, B, gq, dtype):
     ref = run_refs(c)
     for path in PATHS:
         assert_attn_close(run_mine(c, path), ref, dtype, what=f"{name} {path}")
+
+
+# Rotated formats (vllm_kvq.rotation): every head size the rotation allows, prefill chunks
+# and decodes, a window, a codebook and outlier slots, on every SIMD path.
+ROT_CASES = [("int4_group32_rot", 64, torch.bfloat16), ("kivi2_rot", 64, torch.float32),
+             ("int4_token_o1_rot", 128, torch.float32), ("int8_token_rot", 128, torch.bfloat16),
+             ("nuq3_rot", 256, torch.float32), ("bf16_rot", 256, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("name,D,dtype", ROT_CASES, ids=[f"{n}-D{D}" for n, D, _ in ROT_CASES])
+def test_rotated_formats(name, D, dtype):
+    fmt = parse_format(name)
+    B = max(32, fmt.residual_chunk)
+    lv = ((reference.uniform_levels(fmt.key.bits), reference.uniform_levels(fmt.value.bits))
+          if fmt.needs_levels else (None, None))
+    c = build_case(name, D, B, gq=3, H=2, dtype=dtype, seed=_seed(name, D), levels=lv)
+    ref = run_refs(c)
+    for path in PATHS:
+        assert_attn_close(run_mine(c, path), ref, dtype, what=f"{name} {path}")
+
+
+def test_rotation_preserves_attention():
+    """An orthogonal rotation of q, k and v (output rotated back) leaves attention as it
+    was: bf16_rot computes bf16's attention up to rounding."""
+    outs = {}
+    for name in ("bf16", "bf16_rot"):
+        c = build_case(name, 64, 32, gq=3, H=2, dtype=torch.float32, seed=3)
+        outs[name] = run_mine(c)
+    assert (outs["bf16"] - outs["bf16_rot"]).abs().max().item() < 2e-2
+    assert not torch.equal(outs["bf16"], outs["bf16_rot"])  # the rotated path did run
+
+
+def test_rotation_spreads_an_outlier_channel():
+    """One large channel in every token sets the per-token scale; rotated, the same 4-bit
+    codes keep the keys much closer (read back from the cache the kernel wrote, rotated
+    back)."""
+    g = torch.Generator().manual_seed(4)
+    N, H, D, B = 64, 2, 64, 32
+    x = torch.randn(N, H, D, generator=g)
+    x[:, :, 5] *= 20.0
+    err = {}
+    for name in ("int4_token", "int4_token_rot"):
+        fmt = parse_format(name)
+        lay = fmt.layout(D, B)
+        cache = reference.new_cache(N // B, H, lay)
+        ops.write_cache(x, x, cache, torch.arange(N), fmt)
+        back = torch.cat([torch.stack([reference.read_block(cache, b, h, fmt, lay)[0]
+                                       for h in range(H)], 1) for b in range(N // B)])
+        if fmt.rotation != "none":
+            back = rotation.unrotate(back, rotation.matrix(D, "cpu"))
+        err[name] = ((back - x).norm() / x.norm()).item()
+    assert err["int4_token_rot"] < 0.5 * err["int4_token"], err
 
 
 @pytest.mark.parametrize("name", ["int4_group32", "kivi4", "fp8_e4m3", "bf16", "int2_token"])

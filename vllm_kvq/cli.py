@@ -9,7 +9,8 @@ import sys
 from vllm_kvq.formats import EXAMPLE_NAMES, FormatError, KVFormat, parse_format
 
 LISTED = EXAMPLE_NAMES + ("fp8_e5m2_token", "int3_group32",
-                          "int2_token", "int4_group32_sym")
+                          "int2_token", "int4_group32_sym", "int4_group32_rot",
+                          "int4_token_rot")
 
 
 def format_row(fmt: KVFormat, head_dim: int, block_size: int) -> dict:
@@ -19,6 +20,7 @@ def format_row(fmt: KVFormat, head_dim: int, block_size: int) -> dict:
         "key": fmt.key.describe(),
         "value": fmt.value.describe(),
         "residual_tokens": fmt.residual_tokens,
+        "rotation": fmt.rotation,
         "bits_per_value": round(fmt.bits_per_value(head_dim, block_size), 4),
         "k_bytes_per_token": per["k"],
         "v_bytes_per_token": per["v"],
@@ -48,7 +50,7 @@ def cmd_formats(args) -> int:
         return 0
     print(f"head_dim={args.head_dim} block_size={args.block_size}; bytes per token per kv "
           f"head, scales/zero-points/padding included; residual window is per sequence")
-    cols = [("name", 22), ("key", 16), ("value", 16), ("residual_tokens", 8),
+    cols = [("name", 22), ("key", 16), ("value", 16), ("residual_tokens", 8), ("rotation", 9),
             ("bits_per_value", 8), ("k_bytes_per_token", 8), ("v_bytes_per_token", 8),
             ("bytes_per_token", 8), ("ratio_vs_bf16", 8)]
     heads = {"residual_tokens": "resid", "bits_per_value": "bits/val", "k_bytes_per_token": "K B/tok",
@@ -64,6 +66,7 @@ SERVE_FLAGS = {  # friendly flag -> kvq config key
     "--kv-method": "method", "--kv-bits": "bits", "--kv-group-size": "group_size",
     "--kv-key-granularity": "key_granularity", "--kv-value-granularity": "value_granularity",
     "--kv-residual-tokens": "residual_tokens", "--kv-calibration": "calibration",
+    "--kv-rotation": "rotation",
 }
 
 

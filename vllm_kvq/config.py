@@ -12,6 +12,9 @@ Keys (all optional but `method`):
   k_scale, v_scale   static scales (float) for tensor/head granularity
   outlier_fraction   p in (0, 0.1]: ceil(p * head_dim) values of every token (per kv head,
                      keys and values) stored exactly in sparse outlier slots (int and nuq)
+  rotation           "none" | "hadamard": rotate keys and values of each head by a seeded
+                     randomized Hadamard transform before quantizing (vllm_kvq.rotation;
+                     the same as the format name's _rot suffix)
   calibration        path of a calibration file (`vllm-kvq calibrate`): the nuq codebooks.
                      nuq formats need one; without this key the model's shipped default
                      (vllm_kvq.codebook_file.default_calibration_path) is used if there is one.
@@ -28,11 +31,12 @@ from typing import Any
 
 from vllm_kvq.formats import (KIVI_DEFAULT_GROUP, Codec, FormatError,
                               KVFormat, parse_format)
+from vllm_kvq.rotation import ROTATIONS
 
 CONFIG_KEY = "kvq"
 ALLOWED_KEYS = ("method", "bits", "group_size", "key_granularity", "value_granularity",
                 "residual_tokens", "symmetric", "k_scale", "v_scale", "calibration",
-                "outlier_fraction")
+                "outlier_fraction", "rotation")
 FAMILIES = ("bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2", "int", "kivi", "nuq")
 DEFAULT_INT_GROUP = 32
 DEFAULT_NUQ_BITS = 3
@@ -61,7 +65,8 @@ class KVQConfig:
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.fmt.name, "residual_tokens": self.fmt.residual_tokens,
                 "k_scale": self.k_scale, "v_scale": self.v_scale,
-                "calibration": self.calibration, "outlier_fraction": self.outlier_fraction}
+                "calibration": self.calibration, "outlier_fraction": self.outlier_fraction,
+                "rotation": self.fmt.rotation}
 
 
 def outlier_slots(fraction: float, head_dim: int) -> int:
@@ -136,7 +141,7 @@ def _with_overrides(fmt: KVFormat, d: dict) -> KVFormat:
     if (k, v, r) == (fmt.key, fmt.value, fmt.residual_tokens):
         return fmt
     given = ",".join(f"{key}={d[key]}" for key in ALLOWED_KEYS[1:7] if key in d)
-    return KVFormat(f"{fmt.name}[{given}]", k, v, r)
+    return KVFormat(f"{fmt.name}[{given}]", k, v, r, fmt.rotation)
 
 
 def config_from_dict(d: dict | None, head_dim: int | None = None) -> KVQConfig:
@@ -157,6 +162,13 @@ def config_from_dict(d: dict | None, head_dim: int | None = None) -> KVQConfig:
     try:
         fmt = _family_format(method, d) if method in FAMILIES else parse_format(method)
         fmt = _with_overrides(fmt, d)
+        rot = d.get("rotation")
+        if rot is not None:
+            if rot not in ROTATIONS:
+                raise FormatError(f"kvq.rotation={rot!r} is not allowed; allowed: "
+                                  f"{', '.join(ROTATIONS)}")
+            if rot != fmt.rotation:
+                fmt = fmt.with_rotation(rot)
     except (FormatError, TypeError, ValueError) as e:
         raise FormatError(f"kvq.method={method!r}: {e}") from None
     p = d.get("outlier_fraction")

@@ -23,7 +23,9 @@ Names (`parse_format`):
                                      slot each, 32 recent tokens in full precision
   suffixes: _sym (symmetric int), _o{N} (N outlier slots per token per kv head, int and
             nuq: the N largest |x| of a token are stored exactly as fp16 and left out of the
-            dense scale), _r{R} (R recent tokens in full precision), in that order;
+            dense scale), _r{R} (R recent tokens in full precision), _rot (keys and values
+            rotated by a seeded randomized Hadamard transform before quantizing, see
+            vllm_kvq.rotation; head_dim 64/128/256), in that order;
             kivi also takes _k{G} (key token group) and _g{g} (value channel group)
 """
 from __future__ import annotations
@@ -33,6 +35,9 @@ import re
 from dataclasses import dataclass
 
 import torch  # noqa: F401  -- loads libc10 before the extension vllm_kvq._C
+
+from vllm_kvq.rotation import HEAD_SIZES as ROTATION_HEAD_SIZES
+from vllm_kvq.rotation import ROTATIONS
 
 ENCODINGS = {"fp16": 0, "bf16": 1, "fp8_e4m3": 2, "fp8_e5m2": 3, "int": 4, "nuq": 5}
 GRANULARITIES = {"none": 0, "tensor": 1, "head": 2, "token": 3, "group": 4, "channel": 5}
@@ -175,10 +180,13 @@ class KVFormat:
     key: Codec
     value: Codec
     residual_tokens: int = 0
+    rotation: str = "none"  # vllm_kvq.rotation.ROTATIONS
 
     def __post_init__(self):
         if self.residual_tokens < 0:
             raise FormatError(f"residual_tokens={self.residual_tokens} must be >= 0")
+        if self.rotation not in ROTATIONS:
+            raise _allowed("rotation", self.rotation, ROTATIONS)
         for c in (self.key, self.value):
             if c.granularity == "channel" and (self.residual_tokens == 0
                                                or self.residual_tokens % c.group):
@@ -205,16 +213,28 @@ class KVFormat:
     def outliers(self) -> int:
         return max(self.key.outliers, self.value.outliers)
 
+    @property
+    def _rot_suffix(self) -> str:
+        return "_rot" if self.rotation == "hadamard" and self.name.endswith("_rot") else ""
+
     def with_outliers(self, n: int) -> "KVFormat":
         """The same format with n outlier slots per token for every int/nuq codec."""
-        name = re.sub(r"_o\d+(?=(_r\d+)?$)", "", self.name)
+        suffix = self._rot_suffix
+        name = re.sub(r"_o\d+(?=(_r\d+)?$)", "", self.name[:len(self.name) - len(suffix)])
         if n:
             m = re.search(r"_r\d+$", name)
             name = name[:m.start()] + f"_o{n}" + m.group() if m else f"{name}_o{n}"
         def c(codec):
             return dataclasses.replace(codec, outliers=n) \
                 if codec.encoding in ("int", "nuq") else codec
-        return dataclasses.replace(self, name=name, key=c(self.key), value=c(self.value))
+        return dataclasses.replace(self, name=name + suffix, key=c(self.key),
+                                   value=c(self.value))
+
+    def with_rotation(self, rotation: str) -> "KVFormat":
+        """The same format with keys and values rotated (or not) before quantizing."""
+        base = self.name[:len(self.name) - len(self._rot_suffix)]
+        return dataclasses.replace(self, name=base + ("_rot" if rotation == "hadamard" else ""),
+                                   rotation=rotation)
 
     def check(self, head_dim: int, block_size: int) -> None:
         if head_dim not in SUPPORTED_HEAD_SIZES:
@@ -223,6 +243,10 @@ class KVFormat:
             raise FormatError(f"block_size={block_size} is not allowed; allowed: multiples of 16")
         self.key.check_shape(head_dim, block_size)
         self.value.check_shape(head_dim, block_size)
+        if self.rotation != "none" and head_dim not in ROTATION_HEAD_SIZES:
+            raise FormatError(f"format {self.name!r}: rotation={self.rotation} needs head_dim "
+                              f"in {ROTATION_HEAD_SIZES} (a power-of-two Hadamard transform), "
+                              f"got head_dim={head_dim}; use the format without rotation")
         if block_size % self.residual_chunk:
             raise FormatError(
                 f"residual_tokens={self.residual_tokens} must divide block_size={block_size} "
@@ -265,9 +289,10 @@ class KVFormat:
             num_kv_heads, head_dim, self.residual_tokens, elem_bytes)
 
     def with_residual(self, residual_tokens: int) -> "KVFormat":
-        name = re.sub(r"_r\d+$", "", self.name)
-        return dataclasses.replace(self, name=f"{name}_r{residual_tokens}" if residual_tokens
-                                   else name, residual_tokens=residual_tokens)
+        suffix = self._rot_suffix
+        name = re.sub(r"_r\d+$", "", self.name[:len(self.name) - len(suffix)])
+        name = f"{name}_r{residual_tokens}" if residual_tokens else name
+        return dataclasses.replace(self, name=name + suffix, residual_tokens=residual_tokens)
 
 
 # --- names ------------------------------------------------------------------------------
@@ -320,6 +345,11 @@ def parse_format(name: str) -> KVFormat:
     """A format from its name; raises FormatError naming what is allowed."""
     if not isinstance(name, str):
         raise FormatError(f"format name must be a string, got {name!r}")
+    if name.endswith("_rot"):
+        base = parse_format(name[:-len("_rot")])
+        if base.rotation != "none":
+            raise FormatError(f"format {name!r}: _rot is given twice")
+        return dataclasses.replace(base, name=name, rotation="hadamard")
     if m := _FLOAT_RE.match(name):
         c = Codec(m["enc"], 16)
         return KVFormat(name, c, c, _int(m, "r"))
@@ -355,5 +385,6 @@ def parse_format(name: str) -> KVFormat:
         f"unknown format {name!r}; allowed: bf16, fp16, fp8_e4m3[_tensor|_head|_token], "
         f"fp8_e5m2[...], int{{8,4,3,2}}_{{tensor_sym|head_sym|token|group<g>|channel<G>}}"
         f"[_sym][_o<N>][_r<R>], nuq{{2,3,4}}[_{{token|group<g>|channel<G>}}][_o<N>][_r<R>], "
-        f"kivi{{2,4}}[_k<G>][_g<g>][_r<R>] — e.g. {', '.join(EXAMPLE_NAMES)}, nuq3, "
-        f"int4_token_o1, nuq3_group32_o1")
+        f"kivi{{2,4}}[_k<G>][_g<g>][_r<R>], each optionally ending in _rot (Hadamard "
+        f"rotation) — e.g. {', '.join(EXAMPLE_NAMES)}, nuq3, int4_token_o1, nuq3_group32_o1, "
+        f"int4_group32_rot")

@@ -13,11 +13,16 @@ and nothing else (the C++ TORCH_CHECKs stay the guard of every call).
 
 nuq codecs need their layer's codebooks: k_levels / v_levels, float32 [2^bits] ascending in
 [-1, 1] (vllm_kvq.codebook_file.Calibration.levels); other codecs take none.
+
+Rotated formats (fmt.rotation = "hadamard", vllm_kvq.rotation) are rotated here, around
+the kernels: writes quantize K R and V R (rotated in float32), attention rotates the query
+and the staging rows and rotates the output back. The kernels themselves never see it.
 """
 from __future__ import annotations
 
 import torch
 
+from vllm_kvq import rotation
 from vllm_kvq.formats import SUPPORTED_HEAD_SIZES, Codec, KVFormat, Layout
 from vllm_kvq.reference import check_levels
 
@@ -182,6 +187,9 @@ def write_cache(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
         for side, c in (("key", fmt.key), ("value", fmt.value)):
             if c.granularity == "channel":
                 _check_channel_groups(slot_mapping, c, side)
+    if fmt.rotation != "none":
+        R = rotation.matrix(D, key.device)
+        key, value = rotation.rotate(key, R, torch.float32), rotation.rotate(value, R, torch.float32)
     _ops().write_cache(key, value, cache, slot_mapping, fmt.key.as_ints(),
                        fmt.value.as_ints(), ks, vs, kl, vl)
 
@@ -270,10 +278,19 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
                   f"{out.dtype}")
         if out.stride(-1) != 1:
             _fail("out last dim must be contiguous")
-    _ops().paged_attention(out, query, cache, block_table, seq_lens, query_start_loc,
+    rot = rotation.matrix(D, dev) if fmt.rotation != "none" else None
+    dst = out
+    if rot is not None:
+        query = rotation.rotate(query, rot)
+        staging_k, staging_v = rotation.rotate(staging_k, rot), rotation.rotate(staging_v, rot)
+        dst = torch.zeros_like(query)
+    _ops().paged_attention(dst, query, cache, block_table, seq_lens, query_start_loc,
                            staging_k, staging_v, staging_start_loc, staging_pos0, R,
                            softmax_scale, fmt.key.as_ints(), fmt.value.as_ints(), ks, vs, kl,
                            vl)
+    if rot is not None:
+        n = int(query_start_loc[-1])  # only the rows the kernel wrote
+        out[:n] = rotation.unrotate(dst[:n], rot)
     return out
 
 
@@ -305,10 +322,17 @@ class LayerOps:
         self._no_rows = torch.empty(0, dtype=torch.int32, device=device)
         self._no_staging: dict = {}
         self._ops = _ops()
+        # rotated formats: K/V rotated before quantizing, the query and staging rows rotated
+        # and the output rotated back around the kernels (vllm_kvq.rotation)
+        self.rotation = (rotation.matrix(head_dim, device) if fmt.rotation != "none"
+                         else None)
 
     def write(self, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
         """Quantize key/value [N, H, D] into their slots (N = len(slot_mapping))."""
+        if self.rotation is not None:
+            key = rotation.rotate(key, self.rotation, torch.float32)
+            value = rotation.rotate(value, self.rotation, torch.float32)
         self._ops.write_cache(key, value, cache, slot_mapping, self.k_codec, self.v_codec,
                               self.k_scale, self.v_scale, self.k_levels, self.v_levels)
 
@@ -322,7 +346,24 @@ class LayerOps:
 
         split (vllm_kvq.prefill.Split, CPU only): sequences [0, split.num_decodes) go to the
         paged kernel, the long prefills after them to the flash path (vllm_kvq.prefill);
-        None: the paged kernel for the whole batch."""
+        None: the paged kernel for the whole batch. A rotated format writes every row of
+        out (the caller passes the step's rows, as the backend does)."""
+        R = self.rotation
+        if R is None:
+            return self._attend(query, cache, block_table, seq_lens, query_start_loc,
+                                softmax_scale, out, staging_k, staging_v, staging_start_loc,
+                                staging_pos0, split)
+        if staging_k is not None:
+            staging_k, staging_v = rotation.rotate(staging_k, R), rotation.rotate(staging_v, R)
+        rotated = rotation.rotate(query, R)
+        o = self._attend(rotated, cache, block_table, seq_lens, query_start_loc, softmax_scale,
+                         torch.empty_like(rotated), staging_k, staging_v, staging_start_loc,
+                         staging_pos0, split)
+        out.copy_(rotation.unrotate(o, R))
+        return out
+
+    def _attend(self, query, cache, block_table, seq_lens, query_start_loc, softmax_scale,
+                out, staging_k, staging_v, staging_start_loc, staging_pos0, split):
         if split is None or query.device.type != "cpu":
             return self._kernel(query, cache, block_table, seq_lens, query_start_loc,
                                 softmax_scale, out, staging_k, staging_v, staging_start_loc,

@@ -12,6 +12,10 @@ all see exactly the same K/V. With R = 1 every position is read from the pages.
 
 nuq codecs take a codebook `levels` (float32 [2^bits], ascending in [-1, 1]; one per layer
 and side); outlier slots follow kvq::select_outliers (csrc/kvq_numeric.h).
+
+Rotated formats (vllm_kvq.rotation): write_cache stores K R and V R; paged_attention rotates
+the query and the staging rows (in their dtype, as vllm_kvq.ops does) and returns the
+output rotated back.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import math
 
 import torch
 
+from vllm_kvq import rotation
 from vllm_kvq.formats import Codec, KVFormat, Layout
 
 FP16_MAX = 65504.0
@@ -392,6 +397,9 @@ def write_cache(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
     any entry of such a codec outside a whole group is an error.
     """
     N, H, D = key.shape
+    if fmt.rotation != "none":
+        R = rotation.matrix(D, "cpu")
+        key, value = rotation.rotate(key, R, torch.float32), rotation.rotate(value, R, torch.float32)
     B = layout.block_size
     planes = _planes(cache)
     slots = slot_mapping.tolist()
@@ -447,6 +455,12 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
     positions staging_pos0[s].. seq_lens[s]-1.
     """
     T, Hq, D = query.shape
+    rot = rotation.matrix(D, "cpu") if fmt.rotation != "none" else None
+    dtype = query.dtype
+    if rot is not None:
+        query = rotation.rotate(query, rot)
+        if staging_k is not None:
+            staging_k, staging_v = rotation.rotate(staging_k, rot), rotation.rotate(staging_v, rot)
     H = cache.shape[1]
     B = layout.block_size
     R = fmt.residual_chunk
@@ -478,4 +492,6 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
                 h = hq // (Hq // H)
                 logits = (Kp[h] @ query[q0 + i, hq].to(torch.float32)) * softmax_scale
                 out[q0 + i, hq] = torch.softmax(logits, 0) @ Vp[h]
-    return out.to(query.dtype)
+    if rot is not None:  # the kernels' output is rounded to the query dtype, then rotated back
+        return rotation.unrotate(out.to(dtype), rot)
+    return out.to(dtype)

@@ -37,7 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quality-windows", type=int, default=None)
     p.add_argument("--quality-window", type=int, default=None, help="tokens per window")
     p.add_argument("--greedy-tokens", type=int, default=None,
-                   help="greedy tokens generated after held-out text, compared with bf16")
+                   help="greedy tokens generated after held-out text, compared with bf16 "
+                   "(0: none, teacher-forced quality only)")
     p.add_argument("--contexts", default=None, help="e.g. 512,2048,8000 ('' skips speed)")
     p.add_argument("--batches", default=None, help="e.g. 1,4,16")
     p.add_argument("--decode-tokens", type=int, default=None)

@@ -182,10 +182,11 @@ def run_worker(spec: dict) -> dict:
         progress("quality (teacher-forced)")
         res["prompt"] = prompt_logprobs(llm, spec["windows"])
         res["greedy"] = greedy(llm, GREEDY_PROMPTS)
-        progress("greedy decoding")
-        res["greedy_text"] = greedy(llm, [{"prompt_token_ids": p}
-                                          for p in spec["greedy_prompts"]],
-                                    max_tokens=spec["greedy_tokens"])
+        if spec["greedy_tokens"] > 0:  # --greedy-tokens 0: teacher-forced quality only
+            progress("greedy decoding")
+            res["greedy_text"] = greedy(llm, [{"prompt_token_ids": p}
+                                              for p in spec["greedy_prompts"]],
+                                        max_tokens=spec["greedy_tokens"])
     res["quality_s"] = time.perf_counter() - t
     t = time.perf_counter()
     if spec.get("passkey"):
