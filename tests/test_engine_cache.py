@@ -40,6 +40,8 @@ QUALITY = {
 
 # int4_group32_rot's mean KL vs bf16 over int4_group32's (same bytes, keys and values rotated)
 ROTATION_KL_RATIO = 0.9
+# calibration-free nuq3_lm_rot's mean KL vs bf16 over nuq3's (shipped calibration), at most
+LM_KL_RATIO = 1.5
 
 BF16_MODEL = json.dumps({"dtype": "bfloat16", "windows": 2})
 # (max mean KL, min confident agreement, max |ppl change|) of our bf16 cache vs vLLM's,
@@ -110,6 +112,17 @@ def test_rotation_lowers_the_4bit_error():
     print(json.dumps({"int4_group32": plain, "int4_group32_rot": rotated}))
     assert rotated["mean_kl"] < ROTATION_KL_RATIO * plain["mean_kl"], (rotated, plain)
     assert rotated["agreement_confident"] > plain["agreement_confident"], (rotated, plain)
+
+
+def test_calibration_free_codebooks_come_close_to_calibrated_ones():
+    """nuq3_lm_rot: nuq3's bytes with rotated K/V and Lloyd-Max Gaussian codebooks computed
+    at engine start (no calibration file); its error stays within LM_KL_RATIO of nuq3 with
+    the shipped Fisher-calibrated codebooks."""
+    base = run("quality", "bf16")
+    calibrated = compare_runs(base, run("quality", "nuq3"))
+    free = compare_runs(base, run("quality", "nuq3_lm_rot"))
+    print(json.dumps({"nuq3": calibrated, "nuq3_lm_rot": free}))
+    assert free["mean_kl"] <= LM_KL_RATIO * calibrated["mean_kl"], (free, calibrated)
 
 
 @pytest.mark.parametrize("method", list(QUALITY))

@@ -2,6 +2,7 @@
 import itertools
 
 import pytest
+import torch
 
 from vllm_kvq.config import config_from_dict
 from vllm_kvq.formats import EXAMPLE_NAMES, FormatError, parse_format
@@ -83,6 +84,8 @@ def test_residual_memory_is_per_sequence():
     ("q4_0", 128, 128, "unknown format 'q4_0'; allowed"),
     ("int4_token_rot", 96, 32, r"rotation=hadamard needs head_dim in \(64, 128, 256\)"),
     ("int4_group32_rot_rot", 64, 32, "_rot is given twice"),
+    ("int4_group32_lm", 64, 32, "_lm .* applies to nuq formats only"),
+    ("nuq3_rot_lm", 64, 32, "the suffixes go _lm then _rot, once each"),
 ])
 def test_bad_formats_say_what_is_allowed(name, D, B, match):
     with pytest.raises(FormatError, match=match):
@@ -102,6 +105,42 @@ def test_bad_formats_say_what_is_allowed(name, D, B, match):
 def test_config_maps_to_formats(d, name):
     assert config_from_dict(d).fmt.name == name
     assert config_from_dict(d).fmt.rotation == ("hadamard" if name.endswith("_rot") else "none")
+
+
+def test_lloyd_max_formats_need_no_calibration_file():
+    """_lm: every layer gets the computed Gaussian codebooks (per codec group), with no
+    calibration file, for any model; the same levels in every process."""
+    from vllm_kvq.config import load_levels, resolve_calibration
+    from vllm_kvq.gaussian_codebook import lloyd_max_levels
+    cfg = resolve_calibration(config_from_dict({"method": "nuq3_lm_rot"}, head_dim=64),
+                              "a/model/with/no/shipped/calibration")
+    assert cfg.calibration is None and cfg.fmt.codebook == "gaussian"
+    levels = load_levels(cfg, num_layers=3, num_kv_heads=3, head_dim=64)
+    k, v = levels[0]  # nuq3: keys per channel over 32 tokens, values per token (64)
+    assert torch.equal(k, lloyd_max_levels(3, 32)) and torch.equal(v, lloyd_max_levels(3, 64))
+    assert all(torch.equal(a, k) and torch.equal(b, v) for a, b in levels)
+    with pytest.raises(FormatError, match="needs a calibration file"):
+        resolve_calibration(config_from_dict({"method": "nuq3_rot"}, head_dim=64), "a/model")
+
+
+def test_lloyd_max_levels_are_the_gaussian_optimum():
+    """Symmetric, ascending in [-1, 1], and a lower squared error on range-normalized normal
+    groups than the uniform codebook and than levels moved off the fixed point."""
+    from vllm_kvq.gaussian_codebook import lloyd_max_levels
+    from vllm_kvq.reference import nuq_midpoints, uniform_levels
+    x = torch.randn(4000, 64, generator=torch.Generator().manual_seed(1))
+    lo, hi = x.amin(1, keepdim=True), x.amax(1, keepdim=True)
+    y = ((x - (hi + lo) / 2) / ((hi - lo) / 2)).flatten()
+
+    def mse(lv):
+        q = lv[(y.unsqueeze(-1) > nuq_midpoints(lv)).sum(-1)]
+        return ((q - y) ** 2).mean().item()
+    for bits in (2, 3, 4):
+        lv = lloyd_max_levels(bits, 64)
+        assert torch.all(lv[1:] > lv[:-1]) and lv.abs().max() <= 1
+        assert torch.allclose(lv, -lv.flip(0), atol=1e-6)
+        assert mse(lv) < 0.9 * mse(uniform_levels(bits))
+        assert mse(lv) < mse(lv * 1.05) and mse(lv) < mse(lv * 0.95)
 
 
 def test_rotation_suffix_keeps_the_rest_of_the_name():

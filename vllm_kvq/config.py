@@ -15,7 +15,8 @@ Keys (all optional but `method`):
   rotation           "none" | "hadamard": rotate keys and values of each head by a seeded
                      randomized Hadamard transform before quantizing (vllm_kvq.rotation;
                      the same as the format name's _rot suffix)
-  calibration        path of a calibration file (`vllm-kvq calibrate`): the nuq codebooks.
+  calibration        path of a calibration file (`vllm-kvq calibrate`): the nuq codebooks
+                     (not read by _lm formats, whose codebooks need no data).
                      nuq formats need one; without this key the model's shipped default
                      (vllm_kvq.codebook_file.default_calibration_path) is used if there is one.
 """
@@ -228,8 +229,8 @@ _PARSED: dict[tuple, KVQConfig] = {}
 def resolve_calibration(cfg: KVQConfig, model: str | None) -> KVQConfig:
     """cfg with `calibration` set to an existing file: the given one, else the model's
     shipped default; FormatError (before any engine starts) when there is none."""
-    if not cfg.fmt.needs_levels:
-        return cfg
+    if not cfg.fmt.needs_levels or cfg.fmt.codebook == "gaussian":
+        return cfg  # _lm formats compute their codebooks (vllm_kvq.gaussian_codebook)
     path = cfg.calibration
     if path is None:
         from vllm_kvq.codebook_file import default_calibration_path
@@ -265,6 +266,10 @@ def load_levels(cfg: KVQConfig, *, num_layers: int, num_kv_heads: int, head_dim:
     file and what does not match the model (or which codebooks it lacks)."""
     if not cfg.fmt.needs_levels:
         return [(None, None)] * num_layers
+    if cfg.fmt.codebook == "gaussian":  # the same Lloyd-Max levels for every layer
+        from vllm_kvq.gaussian_codebook import codec_levels
+        return [(codec_levels(cfg.fmt.key, head_dim), codec_levels(cfg.fmt.value, head_dim))] \
+            * num_layers
     if cfg.calibration is None:
         raise FormatError(f"kvq.method={cfg.fmt.name!r} needs kvq.calibration")
     return _load_levels(cfg.calibration, cfg.fmt.key, cfg.fmt.value, num_layers, num_kv_heads,

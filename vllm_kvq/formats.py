@@ -25,7 +25,9 @@ Names (`parse_format`):
             nuq: the N largest |x| of a token are stored exactly as fp16 and left out of the
             dense scale), _r{R} (R recent tokens in full precision), _rot (keys and values
             rotated by a seeded randomized Hadamard transform before quantizing, see
-            vllm_kvq.rotation; head_dim 64/128/256), in that order;
+            vllm_kvq.rotation; head_dim 64/128/256), in that order; nuq formats also take
+            _lm before _rot (calibration-free Lloyd-Max codebooks for Gaussian values,
+            vllm_kvq.gaussian_codebook: meant with _rot, e.g. nuq3_lm_rot);
             kivi also takes _k{G} (key token group) and _g{g} (value channel group)
 """
 from __future__ import annotations
@@ -38,6 +40,8 @@ import torch  # noqa: F401  -- loads libc10 before the extension vllm_kvq._C
 
 from vllm_kvq.rotation import HEAD_SIZES as ROTATION_HEAD_SIZES
 from vllm_kvq.rotation import ROTATIONS
+
+CODEBOOKS = ("calibrated", "gaussian")
 
 ENCODINGS = {"fp16": 0, "bf16": 1, "fp8_e4m3": 2, "fp8_e5m2": 3, "int": 4, "nuq": 5}
 GRANULARITIES = {"none": 0, "tensor": 1, "head": 2, "token": 3, "group": 4, "channel": 5}
@@ -181,12 +185,18 @@ class KVFormat:
     value: Codec
     residual_tokens: int = 0
     rotation: str = "none"  # vllm_kvq.rotation.ROTATIONS
+    codebook: str = "calibrated"  # CODEBOOKS: nuq levels from a calibration file or Lloyd-Max
 
     def __post_init__(self):
         if self.residual_tokens < 0:
             raise FormatError(f"residual_tokens={self.residual_tokens} must be >= 0")
         if self.rotation not in ROTATIONS:
             raise _allowed("rotation", self.rotation, ROTATIONS)
+        if self.codebook not in CODEBOOKS:
+            raise _allowed("codebook", self.codebook, CODEBOOKS)
+        if self.codebook == "gaussian" and "nuq" not in (self.key.encoding, self.value.encoding):
+            raise FormatError(f"format {self.name!r}: _lm (Lloyd-Max codebooks) applies to nuq "
+                              f"formats only (e.g. nuq3_lm_rot, nuq4_token_lm_rot)")
         for c in (self.key, self.value):
             if c.granularity == "channel" and (self.residual_tokens == 0
                                                or self.residual_tokens % c.group):
@@ -215,7 +225,13 @@ class KVFormat:
 
     @property
     def _rot_suffix(self) -> str:
-        return "_rot" if self.rotation == "hadamard" and self.name.endswith("_rot") else ""
+        """The name's trailing flags (_lm, _rot) that with_* keep at the end."""
+        suffix = ""
+        for flag, on in (("_rot", self.rotation == "hadamard"),
+                         ("_lm", self.codebook == "gaussian")):
+            if on and self.name[:len(self.name) - len(suffix)].endswith(flag):
+                suffix = flag + suffix
+        return suffix
 
     def with_outliers(self, n: int) -> "KVFormat":
         """The same format with n outlier slots per token for every int/nuq codec."""
@@ -233,8 +249,9 @@ class KVFormat:
     def with_rotation(self, rotation: str) -> "KVFormat":
         """The same format with keys and values rotated (or not) before quantizing."""
         base = self.name[:len(self.name) - len(self._rot_suffix)]
-        return dataclasses.replace(self, name=base + ("_rot" if rotation == "hadamard" else ""),
-                                   rotation=rotation)
+        flags = ("_lm" if self.codebook == "gaussian" else "") + \
+            ("_rot" if rotation == "hadamard" else "")
+        return dataclasses.replace(self, name=base + flags, rotation=rotation)
 
     def check(self, head_dim: int, block_size: int) -> None:
         if head_dim not in SUPPORTED_HEAD_SIZES:
@@ -350,6 +367,11 @@ def parse_format(name: str) -> KVFormat:
         if base.rotation != "none":
             raise FormatError(f"format {name!r}: _rot is given twice")
         return dataclasses.replace(base, name=name, rotation="hadamard")
+    if name.endswith("_lm"):
+        base = parse_format(name[:-len("_lm")])
+        if base.codebook != "calibrated" or base.rotation != "none":
+            raise FormatError(f"format {name!r}: the suffixes go _lm then _rot, once each")
+        return KVFormat(name, base.key, base.value, base.residual_tokens, codebook="gaussian")
     if m := _FLOAT_RE.match(name):
         c = Codec(m["enc"], 16)
         return KVFormat(name, c, c, _int(m, "r"))
@@ -386,5 +408,6 @@ def parse_format(name: str) -> KVFormat:
         f"fp8_e5m2[...], int{{8,4,3,2}}_{{tensor_sym|head_sym|token|group<g>|channel<G>}}"
         f"[_sym][_o<N>][_r<R>], nuq{{2,3,4}}[_{{token|group<g>|channel<G>}}][_o<N>][_r<R>], "
         f"kivi{{2,4}}[_k<G>][_g<g>][_r<R>], each optionally ending in _rot (Hadamard "
-        f"rotation) — e.g. {', '.join(EXAMPLE_NAMES)}, nuq3, int4_token_o1, nuq3_group32_o1, "
-        f"int4_group32_rot")
+        f"rotation; nuq: _lm_rot for calibration-free codebooks) — e.g. "
+        f"{', '.join(EXAMPLE_NAMES)}, nuq3, int4_token_o1, nuq3_group32_o1, int4_group32_rot, "
+        f"nuq3_lm_rot")
