@@ -403,10 +403,8 @@ def run_refs(c):
     if c["fmt"].rotation == "none":
         return [ref, run_ref_int8q(c)]
     R = rotation.matrix(c["query"].shape[-1], "cpu")
-    plain = dict(c, fmt=c["fmt"].with_rotation("none"), query=rotation.rotate(c["query"], R))
-    if c.get("staging_k") is not None:
-        plain.update(staging_k=rotation.rotate(c["staging_k"], R),
-                     staging_v=rotation.rotate(c["staging_v"], R))
+    q, sk, sv = rotation.for_attention(R, c["query"], c.get("staging_k"), c.get("staging_v"))
+    plain = dict(c, fmt=c["fmt"].with_rotation("none"), query=q, staging_k=sk, staging_v=sv)
     return [ref, rotation.unrotate(run_ref_int8q(plain), R)]
 
 

@@ -188,8 +188,7 @@ def write_cache(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
             if c.granularity == "channel":
                 _check_channel_groups(slot_mapping, c, side)
     if fmt.rotation != "none":
-        R = rotation.matrix(D, key.device)
-        key, value = rotation.rotate(key, R, torch.float32), rotation.rotate(value, R, torch.float32)
+        key, value = rotation.for_cache(rotation.matrix(D, key.device), key, value)
     _ops().write_cache(key, value, cache, slot_mapping, fmt.key.as_ints(),
                        fmt.value.as_ints(), ks, vs, kl, vl)
 
@@ -281,8 +280,7 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
     rot = rotation.matrix(D, dev) if fmt.rotation != "none" else None
     dst = out
     if rot is not None:
-        query = rotation.rotate(query, rot)
-        staging_k, staging_v = rotation.rotate(staging_k, rot), rotation.rotate(staging_v, rot)
+        query, staging_k, staging_v = rotation.for_attention(rot, query, staging_k, staging_v)
         dst = torch.zeros_like(query)
     _ops().paged_attention(dst, query, cache, block_table, seq_lens, query_start_loc,
                            staging_k, staging_v, staging_start_loc, staging_pos0, R,
@@ -331,8 +329,7 @@ class LayerOps:
               slot_mapping: torch.Tensor) -> None:
         """Quantize key/value [N, H, D] into their slots (N = len(slot_mapping))."""
         if self.rotation is not None:
-            key = rotation.rotate(key, self.rotation, torch.float32)
-            value = rotation.rotate(value, self.rotation, torch.float32)
+            key, value = rotation.for_cache(self.rotation, key, value)
         self._ops.write_cache(key, value, cache, slot_mapping, self.k_codec, self.v_codec,
                               self.k_scale, self.v_scale, self.k_levels, self.v_levels)
 
@@ -353,9 +350,7 @@ class LayerOps:
             return self._attend(query, cache, block_table, seq_lens, query_start_loc,
                                 softmax_scale, out, staging_k, staging_v, staging_start_loc,
                                 staging_pos0, split)
-        if staging_k is not None:
-            staging_k, staging_v = rotation.rotate(staging_k, R), rotation.rotate(staging_v, R)
-        rotated = rotation.rotate(query, R)
+        rotated, staging_k, staging_v = rotation.for_attention(R, query, staging_k, staging_v)
         o = self._attend(rotated, cache, block_table, seq_lens, query_start_loc, softmax_scale,
                          torch.empty_like(rotated), staging_k, staging_v, staging_start_loc,
                          staging_pos0, split)

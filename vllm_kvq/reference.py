@@ -398,8 +398,7 @@ def write_cache(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
     """
     N, H, D = key.shape
     if fmt.rotation != "none":
-        R = rotation.matrix(D, "cpu")
-        key, value = rotation.rotate(key, R, torch.float32), rotation.rotate(value, R, torch.float32)
+        key, value = rotation.for_cache(rotation.matrix(D, "cpu"), key, value)
     B = layout.block_size
     planes = _planes(cache)
     slots = slot_mapping.tolist()
@@ -458,9 +457,7 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
     rot = rotation.matrix(D, "cpu") if fmt.rotation != "none" else None
     dtype = query.dtype
     if rot is not None:
-        query = rotation.rotate(query, rot)
-        if staging_k is not None:
-            staging_k, staging_v = rotation.rotate(staging_k, rot), rotation.rotate(staging_v, rot)
+        query, staging_k, staging_v = rotation.for_attention(rot, query, staging_k, staging_v)
     H = cache.shape[1]
     B = layout.block_size
     R = fmt.residual_chunk

@@ -52,3 +52,16 @@ def rotate(x: torch.Tensor, R: torch.Tensor, dtype: torch.dtype | None = None) -
 def unrotate(y: torch.Tensor, R: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """y [..., D] -> y R^T (the inverse of rotate)."""
     return (y.to(torch.float32) @ R.T).to(dtype or y.dtype)
+
+
+def for_cache(R: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+    """Keys and values as a rotated format stores them: x R, float32 (quantized next)."""
+    return rotate(key, R, torch.float32), rotate(value, R, torch.float32)
+
+
+def for_attention(R: torch.Tensor, query: torch.Tensor, staging_k, staging_v):
+    """The query and the full-precision staging rows (None: no staging) rotated in their
+    dtypes, as the kernels of a rotated format read them; the output is unrotate()d."""
+    if staging_k is not None:
+        staging_k, staging_v = rotate(staging_k, R), rotate(staging_v, R)
+    return rotate(query, R), staging_k, staging_v
