@@ -266,10 +266,8 @@ def load_levels(cfg: KVQConfig, *, num_layers: int, num_kv_heads: int, head_dim:
     file and what does not match the model (or which codebooks it lacks)."""
     if not cfg.fmt.needs_levels:
         return [(None, None)] * num_layers
-    if cfg.fmt.codebook == "gaussian":  # the same Lloyd-Max levels for every layer
-        from vllm_kvq.gaussian_codebook import codec_levels
-        return [(codec_levels(cfg.fmt.key, head_dim), codec_levels(cfg.fmt.value, head_dim))] \
-            * num_layers
+    if cfg.fmt.codebook == "gaussian":
+        return _gaussian_levels(cfg.fmt.key, cfg.fmt.value, num_layers, head_dim)
     if cfg.calibration is None:
         raise FormatError(f"kvq.method={cfg.fmt.name!r} needs kvq.calibration")
     return _load_levels(cfg.calibration, cfg.fmt.key, cfg.fmt.value, num_layers, num_kv_heads,
@@ -290,6 +288,14 @@ def _codebook(cal, layer: int, side: str, c):
         except CalibrationError:
             if i == len(names) - 1:
                 raise
+
+
+@lru_cache(maxsize=8)
+def _gaussian_levels(kc, vc, num_layers, head_dim):
+    """_lm formats: the same Lloyd-Max levels for every layer (built once per process, like
+    a calibration file's: every layer's impl asks)."""
+    from vllm_kvq.gaussian_codebook import codec_levels
+    return [(codec_levels(kc, head_dim), codec_levels(vc, head_dim))] * num_layers
 
 
 @lru_cache(maxsize=8)

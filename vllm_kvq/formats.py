@@ -224,7 +224,7 @@ class KVFormat:
         return max(self.key.outliers, self.value.outliers)
 
     @property
-    def _rot_suffix(self) -> str:
+    def _name_flags(self) -> str:
         """The name's trailing flags (_lm, _rot) that with_* keep at the end."""
         suffix = ""
         for flag, on in (("_rot", self.rotation == "hadamard"),
@@ -235,7 +235,7 @@ class KVFormat:
 
     def with_outliers(self, n: int) -> "KVFormat":
         """The same format with n outlier slots per token for every int/nuq codec."""
-        suffix = self._rot_suffix
+        suffix = self._name_flags
         name = re.sub(r"_o\d+(?=(_r\d+)?$)", "", self.name[:len(self.name) - len(suffix)])
         if n:
             m = re.search(r"_r\d+$", name)
@@ -248,7 +248,7 @@ class KVFormat:
 
     def with_rotation(self, rotation: str) -> "KVFormat":
         """The same format with keys and values rotated (or not) before quantizing."""
-        base = self.name[:len(self.name) - len(self._rot_suffix)]
+        base = self.name[:len(self.name) - len(self._name_flags)]
         flags = ("_lm" if self.codebook == "gaussian" else "") + \
             ("_rot" if rotation == "hadamard" else "")
         return dataclasses.replace(self, name=base + flags, rotation=rotation)
@@ -306,7 +306,7 @@ class KVFormat:
             num_kv_heads, head_dim, self.residual_tokens, elem_bytes)
 
     def with_residual(self, residual_tokens: int) -> "KVFormat":
-        suffix = self._rot_suffix
+        suffix = self._name_flags
         name = re.sub(r"_r\d+$", "", self.name[:len(self.name) - len(suffix)])
         name = f"{name}_r{residual_tokens}" if residual_tokens else name
         return dataclasses.replace(self, name=name + suffix, residual_tokens=residual_tokens)
