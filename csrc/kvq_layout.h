@@ -155,11 +155,28 @@ KVQ_LAYOUT Layout make_layout(const Codec& kc, const Codec& vc, int32_t head_dim
   return l;
 }
 
-// Full-precision residual window (recent tokens), kept outside vLLM's pages, per running
-// sequence per layer: K and V of up to `residual_tokens` tokens per kv head.
+// Full-precision residual window (recent tokens), per running sequence per layer: K and V
+// of up to `residual_tokens` tokens per kv head.
 KVQ_LAYOUT int64_t residual_bytes_per_seq_layer(int32_t num_kv_heads, int32_t head_dim,
                                             int32_t residual_tokens, int32_t elem_bytes) {
   return (int64_t)2 * num_kv_heads * residual_tokens * head_dim * elem_bytes;
+}
+
+// The window lives in blocks of vLLM's own pool (vllm_kvq/window_cache.py), pages of the
+// same size as the quantized ones: a block's page (block_size tokens x token_bytes, per kv
+// head) holds this many window rows of one token's K and V (2 x head_dim values per head).
+KVQ_LAYOUT int32_t window_rows_per_block(int32_t token_bytes, int32_t block_size,
+                                         int32_t head_dim, int32_t elem_bytes) {
+  return (int32_t)((int64_t)token_bytes * block_size / (2 * head_dim * elem_bytes));
+}
+
+// Blocks a running sequence claims for its window (0: no window).
+KVQ_LAYOUT int32_t window_blocks_per_seq(int32_t token_bytes, int32_t block_size,
+                                         int32_t head_dim, int32_t residual_tokens,
+                                         int32_t elem_bytes) {
+  if (residual_tokens == 0) return 0;
+  const int32_t rows = window_rows_per_block(token_bytes, block_size, head_dim, elem_bytes);
+  return (residual_tokens + rows - 1) / rows;
 }
 
 
@@ -189,6 +206,14 @@ static_assert(token_bytes(kNuq3Keys, kNuq3Values, 64) == 68, "nuq3, head_dim 64"
 static_assert(token_bytes(kInt4Group32, kInt4Group32, 128) == 160, "int4_group32, head_dim 128");
 static_assert(token_bytes(kKivi2Keys, kInt2Group32, 128) == 96, "kivi2, head_dim 128");
 static_assert(token_bytes(kNuq3Keys, kNuq3Values, 128) == 124, "nuq3, head_dim 128");
+// 16-bit windows in pool blocks of 128 tokens at head_dim 64: kivi2's 128 tokens take 6
+// blocks of 24 rows, kivi4's 4 blocks of 40, nuq3's 32 tokens one block of 34
+static_assert(window_blocks_per_seq(token_bytes(kKivi2Keys, kInt2Group32, 64), 128, 64, 128, 2)
+              == 6, "kivi2 window");
+static_assert(window_blocks_per_seq(token_bytes(kKivi4Keys, kInt4Group32, 64), 128, 64, 128, 2)
+              == 4, "kivi4 window");
+static_assert(window_blocks_per_seq(token_bytes(kNuq3Keys, kNuq3Values, 64), 128, 64, 32, 2)
+              == 1, "nuq3 window");
 }  // namespace canonical
 
 }  // namespace kvq

@@ -43,6 +43,8 @@ py::dict make_layout(const std::vector<int64_t>& k, const std::vector<int64_t>& 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("make_layout", &make_layout, "byte layout of one (block, kv_head) plane");
   m.def("residual_bytes_per_seq_layer", &kvq::residual_bytes_per_seq_layer);
+  m.def("window_rows_per_block", &kvq::window_rows_per_block);
+  m.def("window_blocks_per_seq", &kvq::window_blocks_per_seq);
   m.def("simd_path", &kvq_cpu::simd_path);
 #ifdef KVQ_WITH_CUDA
   m.attr("with_cuda") = true;

@@ -38,9 +38,13 @@ def test_summary_of_a_quantized_cache():
     assert s["bytes_per_token"] == 48 * LAYERS * HEADS == 4320  # scales included
     assert s["bits_per_value"] == 3.0 and s["ratio_vs_bf16"] == pytest.approx(16 / 3)
     assert s["capacity_tokens"] == 100 * BLOCK
-    # fp32 model: 128 tokens x (K+V) x 64 x 4 B per layer and head, one slot per sequence
-    assert s["residual_bytes_per_seq"] == 128 * 2 * HEAD_DIM * 2 * LAYERS * HEADS  # 16-bit
-    assert s["residual_pool_bytes"] == 8 * s["residual_bytes_per_seq"]
+    # the window's 128 tokens x (K+V) x 64 values in 16 bits (an fp32 model too) per layer
+    # and head, in 6 pool blocks of 24 rows per running sequence (csrc/kvq_layout.h)
+    assert s["residual_bytes_per_seq"] == 128 * 2 * HEAD_DIM * 2 * LAYERS * HEADS
+    assert s["window_blocks_per_seq"] == 6
+    assert s["window_bytes_per_seq"] == 6 * BLOCK * s["bytes_per_token"]
+    assert s["window_bytes_per_seq"] >= s["residual_bytes_per_seq"]
+    assert s["window_bytes_at_max_num_seqs"] == 8 * s["window_bytes_per_seq"]
     assert s["bf16_bytes_per_token"] == 23040
 
 

@@ -1,5 +1,8 @@
 """`vllm-kvq serve`: vLLM's own OpenAI server with our backend, talked to with `openai`."""
+import contextlib
 import os
+import subprocess
+import sys
 
 import httpx
 import openai
@@ -8,7 +11,7 @@ import pytest
 from serve_process import API_KEY, free_port, running
 
 from vllm_kvq.cli import serve_command
-from vllm_kvq.formats import FormatError
+from vllm_kvq.formats import FormatError, parse_format
 from vllm_kvq.serve_defaults import MAX_BUDGET, MIN_BUDGET
 from vllm_kvq.tools.evaluate import GREEDY_PROMPTS
 
@@ -67,21 +70,58 @@ def test_openai_api_and_bad_input_on_a_quantized_cache(servers):
     assert "Paris" in again.choices[0].text
 
 
+def meminfo(key: str) -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) << 10 for line in f if line.startswith(key + ":"))
+
+
+@contextlib.contextmanager
+def memory_held_elsewhere(nbytes: int):
+    """Another process holding (touching) nbytes of memory while the block runs."""
+    code = ("import sys, time; n = int(sys.argv[1]); b = bytearray(n); "
+            "b[::4096] = b'\\x01' * len(range(0, n, 4096)); print('ready', flush=True); "
+            "time.sleep(3600)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(nbytes)], stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        yield
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_readme_serve_command_keeps_its_defaults_flag_by_flag():
-    """The README's command with extra flags (a port, two pipeline stages): every other
-    default holds (kivi2, 16 sequences, a KV budget that fits what is free), the CPU
-    workers get their thread binding by themselves, and it answers."""
+    """The README's command with extra flags (a port, two pipeline stages), started while
+    another process holds several GiB (so that vLLM's own default, 0.92 of the node for the
+    KV cache, would refuse to start): every other default holds (kivi2, 16 sequences, a KV
+    budget that fits what is free), the CPU workers get their thread binding by themselves,
+    the startup log and /kvq/config give the window's memory from the layout, and it
+    answers."""
     port = free_port()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {k: v for k, v in os.environ.items()
            if k not in ("VLLM_CPU_OMP_THREADS_BIND", "VLLM_CPU_KVCACHE_SPACE")}
     cmd = ["bash", os.path.join(root, "scripts", "serve.sh"), "--port", str(port),
            "--pipeline-parallel-size", "2", "--dtype", "float32"]
-    with running(cmd, port, "kvq-serve-readme", env=env) as base:
+    held = min(6 << 30, meminfo("MemAvailable") // 4)
+    with memory_held_elsewhere(held), running(cmd, port, "kvq-serve-readme", env=env) as base:
+        assert meminfo("MemAvailable") < 0.92 * meminfo("MemTotal")
         cfg = httpx.get(f"{base}/kvq/config").json()
         assert cfg["method"] == "kivi2" and cfg["max_num_seqs"] == 16, cfg
         assert cfg["pipeline_parallel_size"] == 2 and cfg["num_layers"] == 30, cfg
-        assert MIN_BUDGET <= cfg["kv_budget_bytes"] <= MAX_BUDGET, cfg
+        budget = cfg["kv_cache_memory_bytes"]
+        assert MIN_BUDGET <= budget <= MAX_BUDGET, cfg
+        # the window's blocks per running sequence, and the capacity of each stage's budget
+        # (15 layers of pages), both from the layout
+        fmt = parse_format("kivi2")
+        assert cfg["window_blocks_per_seq"] == fmt.window_blocks_per_seq(64, 128) == 6, cfg
+        assert cfg["window_bytes_per_seq"] == 6 * 128 * cfg["bytes_per_token"], cfg
+        page = fmt.layout(64, 128).plane_bytes * 3 * 15
+        assert cfg["capacity_tokens"] == budget // page * 128, cfg
+        log = open(os.path.join(os.environ.get("TMPDIR", "/tmp"), "kvq-serve-readme.log")).read()
+        assert (f"window 128 tokens in 6 blocks = {cfg['window_bytes_per_seq']} bytes per "
+                f"running sequence") in log
         c = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
         model = c.models.list().data[0].id
         text = c.completions.create(model=model, prompt=GREEDY_PROMPTS[0], max_tokens=12,

@@ -7,7 +7,7 @@ import torch
 
 from vllm_kvq import reference as ref
 from vllm_kvq.formats import parse_format
-from vllm_kvq.residual import ResidualSlots, ResidualStateError, plan_tensors, stage_and_write
+from vllm_kvq.residual import ResidualStateError, ResidualWindows, plan_tensors, stage_and_write
 
 B, H, HQ, D = 64, 2, 4, 64
 SCALE = D ** -0.5
@@ -16,13 +16,18 @@ SCALE = D ** -0.5
 class Sim:
     """A tiny engine: block tables, steps of mixed prefill/decode, one attention layer."""
 
-    def __init__(self, name: str, num_blocks: int = 24, num_slots: int = 4, seed: int = 0):
+    def __init__(self, name: str, num_blocks: int = 48, rows_per_block: int = 7,
+                 seed: int = 0):
         self.fmt = parse_format(name)
         self.layout = self.fmt.layout(D, B)
         self.cache = ref.new_cache(num_blocks, H, self.layout)
         self.R = self.fmt.residual_chunk
-        self.slots = ResidualSlots(num_slots, self.R, B)
-        self.pool = torch.zeros(num_slots, 2, self.R, H, D, dtype=torch.bfloat16)
+        # a few rows per block, so that a window spans several blocks
+        self.windows = ResidualWindows(self.R, B, rows_per_block)
+        self.pool = torch.zeros(num_blocks, rows_per_block, 2, H, D, dtype=torch.bfloat16)
+        # window blocks, handed out and taken back like vLLM's block manager does (LIFO)
+        self.free = list(range(num_blocks - 1, 23, -1))
+        self.window_of = {}
         self.gen = torch.Generator().manual_seed(seed)
         self.history = {}  # request -> (K, V) [L, H, D] bf16 in position order
 
@@ -31,6 +36,15 @@ class Sim:
         v = torch.randn(n, H, D, generator=self.gen).to(torch.bfloat16)
         q = torch.randn(n, HQ, D, generator=self.gen).to(torch.bfloat16)
         return k, v, q
+
+    def release(self, rid):
+        """The request finished or was preempted: vLLM takes its window blocks back."""
+        self.free += reversed(self.window_of.pop(rid))
+
+    def window(self, rid):
+        if rid not in self.window_of:
+            self.window_of[rid] = [self.free.pop() for _ in range(self.windows.num_blocks)]
+        return self.window_of[rid]
 
     def step(self, batch):
         """batch: list of (request id, block ids, L_prev, n_new). Returns per-request errors."""
@@ -47,7 +61,8 @@ class Sim:
             ks.append(k), vs.append(v), qs.append(q)
         k, v, q = torch.cat(ks), torch.cat(vs), torch.cat(qs)
         bt = torch.tensor(tables, dtype=torch.int32)
-        plan = self.slots.plan(seq_lens, qsl, tables)
+        plan = self.windows.plan(seq_lens, qsl, tables,
+                                 [self.window(rid) for rid, *_ in batch])
         md = SimpleNamespace(plan=plan, **plan_tensors(plan, "cpu"))
         st_k, st_v = stage_and_write(
             md, k, v, self.pool,
@@ -107,19 +122,27 @@ def test_prefix_hit_and_preemption_recompute():
     # full-prompt hit: vLLM recomputes the last prompt token inside the shared block
     sim.history["d"] = tuple(x[:64] for x in sim.history["a"])
     assert max(sim.step([("d", [4], 63, 1)])) < 2e-2
-    # preemption: a restarts from scratch on new blocks
+    # preemption: a restarts from scratch on new blocks, and on the window blocks c held
+    # (c finished); e, new, receives a's old window blocks
+    sim.release("a"), sim.release("c")
     assert max(sim.step([("a", [12, 13], 0, 75)])) < 2e-2
+    assert max(sim.step([("a", [12, 13], 75, 2), ("e", [14, 15], 0, 70)])) < 2e-2
 
 
-def test_slots_are_recycled_and_exhaustion_is_reported():
-    slots = ResidualSlots(num_slots=2, residual_tokens=32, block_size=64)
-    for i in range(6):  # finished requests' slots are taken back (least recently used)
-        slots.plan([10], [0, 10], [[i]])
-    with pytest.raises(ResidualStateError, match="residual slots"):
-        slots.plan([10, 10, 10], [0, 10, 20, 30], [[20], [21], [22]])
+def test_a_reused_window_is_not_trusted():
+    """Window blocks a finished request held come back to a new request: its window starts
+    empty, and resuming mid-chunk from such blocks is an error, never their old rows."""
+    windows = ResidualWindows(residual_tokens=32, block_size=64, rows_per_block=16)
+    windows.plan([10], [0, 10], [[3]], [[7, 8]])           # x: positions 0..9 in the window
+    plan = windows.plan([10], [0, 10], [[5]], [[7, 8]])    # y, new, on x's window blocks
+    assert plan.pool_gather == ([], [], [])
+    with pytest.raises(ResidualStateError, match="residual window"):
+        windows.plan([12], [0, 2], [[6]], [[7, 8]])        # z resumes at 10 on other pages
 
 
 def test_missing_state_mid_chunk_is_an_error_not_garbage():
-    slots = ResidualSlots(num_slots=2, residual_tokens=32, block_size=64)
-    with pytest.raises(ResidualStateError, match="should be in a residual slot"):
-        slots.plan([12], [0, 2], [[3]])  # resumes at 10 with nothing stored
+    windows = ResidualWindows(residual_tokens=32, block_size=64, rows_per_block=32)
+    with pytest.raises(ResidualStateError, match="should be in its residual window"):
+        windows.plan([12], [0, 2], [[3]], [[9]])  # resumes at 10 with nothing stored
+    with pytest.raises(ResidualStateError, match="window blocks"):
+        windows.plan([12], [0, 12], [[3]], [[]])  # vLLM gave it no window block

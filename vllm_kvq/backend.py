@@ -9,8 +9,9 @@ Impl. Registered as AttentionBackendEnum.CUSTOM by vllm_kvq.plugin; selected wit
   manager hands out more blocks at the same KV budget.
 - Writes: quantize-on-write in `forward` (forward_includes_kv_cache_update), because the
   residual window needs the step's metadata. With a residual window, tokens are quantized
-  in aligned chunks; the recent ones live in a per-layer full-precision pool whose slots
-  vllm_kvq.residual assigns.
+  in aligned chunks; the recent ones live in 16 bits in blocks of vLLM's own pool that a
+  companion layer claims per running request (vllm_kvq.window_cache), planned step by step
+  by vllm_kvq.residual.
 - Reads: decodes and short chunks (vLLM orders them first, reorder_batch_threshold) in one
   paged-kernel call per layer (vllm_kvq.ops); long prefills after them through torch's
   flash attention over their pages dequantized once (vllm_kvq.prefill).
@@ -25,17 +26,18 @@ from typing import ClassVar
 
 import torch
 from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionLayer,
                                        AttentionMetadataBuilder, AttentionType,
                                        CommonAttentionMetadata, MultipleOf)
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from vllm_kvq import ops, prefill
-from vllm_kvq.config import (KVQConfig, config_from_vllm, layer_index, model_levels,
-                             residual_slot_count)
+from vllm_kvq.config import KVQConfig, config_from_vllm, layer_index, model_levels
 from vllm_kvq.formats import SUPPORTED_HEAD_SIZES
-from vllm_kvq.residual import (ResidualSlots, StepPlan, plan_tensors, stage_and_write,
-                               window_dtype)
+from vllm_kvq.residual import (WINDOW_BYTES, ResidualWindows, StepPlan, plan_tensors,
+                               stage_and_write, window_dtype)
+from vllm_kvq.window_cache import WINDOW_SUFFIX, KVQWindowLayer, KVQWindowMetadata
 
 # customize_spec runs with no current vLLM config: the impls and the builder record the
 # engine's config here when they are built (one engine per process).
@@ -105,7 +107,10 @@ class KVQMetadata:
     seq_lens: torch.Tensor          # int32 [S]
     block_table: torch.Tensor       # int32 [S, max_blocks]
     slot_mapping: torch.Tensor      # int64 [T]
-    plan: StepPlan | None           # residual window; None when R == 1
+    # the residual window's bookkeeping (None when R == 1) and, once the step's first layer
+    # made it from the window group's blocks, its plan
+    windows: ResidualWindows | None = None
+    plan: StepPlan | None = None
     # the plan's index lists as tensors (built once per step, shared by all layers)
     staging_start_loc: torch.Tensor | None = None
     staging_pos0: torch.Tensor | None = None
@@ -118,6 +123,20 @@ class KVQMetadata:
     # the flash path (vllm_kvq.prefill); None: the paged kernel for the whole batch
     split: prefill.Split | None = None
 
+    def plan_window(self, window: KVQWindowMetadata, device, flash: bool) -> None:
+        """This step's window plan. Made by the first layer that runs the step: it needs each
+        request's window blocks, which the window group's builder holds."""
+        S = self.seq_lens.shape[0]
+        qsl = self.query_start_loc.tolist()
+        seq_lens = self.seq_lens.tolist()
+        plan = self.windows.plan(seq_lens, qsl, self.block_table.tolist(),
+                                 window.blocks.tolist())
+        self.plan = plan
+        for name, value in plan_tensors(plan, device).items():
+            setattr(self, name, value)
+        if flash and max(qsl[s + 1] - qsl[s] for s in range(S)) >= prefill.PREFILL_MIN_QUERY:
+            self.split = prefill.plan(qsl, seq_lens, plan.staging_start, plan.staging_pos0)
+
 
 class KVQMetadataBuilder(AttentionMetadataBuilder[KVQMetadata]):
     # vLLM puts sequences with at most this many query tokens first in the batch; the
@@ -129,9 +148,9 @@ class KVQMetadataBuilder(AttentionMetadataBuilder[KVQMetadata]):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.config = active_config(vllm_config)
         self.device = device
-        R = self.config.fmt.residual_chunk
-        self.slots = (ResidualSlots(residual_slot_count(vllm_config), R,
-                                    kv_cache_spec.block_size) if R > 1 else None)
+        fmt, B = self.config.fmt, kv_cache_spec.block_size
+        self.windows = (ResidualWindows(fmt.residual_chunk, B, fmt.window_rows_per_block(
+            kv_cache_spec.head_size, B, WINDOW_BYTES)) if fmt.residual_tokens else None)
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KVQMetadata:
@@ -141,24 +160,18 @@ class KVQMetadataBuilder(AttentionMetadataBuilder[KVQMetadata]):
                          query_start_loc=cam.query_start_loc[:S + 1],
                          seq_lens=cam.seq_lens[:S],
                          block_table=cam.block_table_tensor[:S],
-                         slot_mapping=cam.slot_mapping, plan=None)
-        # Chunks of >= PREFILL_MIN_QUERY queries take the flash path (vllm_kvq.prefill) on the
-        # CPU unless KVQ_FLASH_PREFILL=0; decodes and short chunks stay on the paged kernel.
-        on_cpu = self.device.type == "cpu" and prefill.FLASH_PREFILL
-        if self.slots is None:
-            if on_cpu and cam.max_query_len >= prefill.PREFILL_MIN_QUERY:
-                md.split = prefill.plan(cam.query_start_loc_cpu[:S + 1].tolist(),
-                                        cam.seq_lens[:S].tolist())
-            return md
-        qsl = cam.query_start_loc_cpu[:S + 1].tolist()
-        seq_lens = cam.seq_lens[:S].cpu().tolist()
-        plan = self.slots.plan(seq_lens, qsl, cam.block_table_tensor[:S].cpu().tolist())
-        md.plan = plan
-        for name, value in plan_tensors(plan, self.device).items():
-            setattr(md, name, value)
-        if on_cpu and cam.max_query_len >= prefill.PREFILL_MIN_QUERY:
-            md.split = prefill.plan(qsl, seq_lens, plan.staging_start, plan.staging_pos0)
+                         slot_mapping=cam.slot_mapping, windows=self.windows)
+        if (self.windows is None and flash_prefill_on(self.device)
+                and cam.max_query_len >= prefill.PREFILL_MIN_QUERY):
+            md.split = prefill.plan(cam.query_start_loc_cpu[:S + 1].tolist(),
+                                    cam.seq_lens[:S].tolist())
         return md
+
+
+def flash_prefill_on(device: torch.device) -> bool:
+    # Chunks of >= PREFILL_MIN_QUERY queries take the flash path (vllm_kvq.prefill) on the
+    # CPU unless KVQ_FLASH_PREFILL=0; decodes and short chunks stay on the paged kernel.
+    return device.type == "cpu" and prefill.FLASH_PREFILL
 
 
 class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
@@ -193,8 +206,8 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
         self.kv_cache_dtype = kv_cache_dtype
         self.attn_type = attn_type
         self.kv_sharing_target_layer_name = None
-        self.num_slots = residual_slot_count(vllm_config)
-        self.pool: torch.Tensor | None = None  # [slots, 2, R, H, D] full-precision window
+        self.static_forward_context = vllm_config.compilation_config.static_forward_context
+        self.window: KVQWindowLayer | None = None  # the residual window's storage layer
         self.all_levels = model_levels(self.config, vllm_config)
         self.ops: ops.LayerOps | None = None  # this layer's kernels, bound on its first step
 
@@ -211,12 +224,15 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
                             k_scale=self.config.k_scale, v_scale=self.config.v_scale,
                             k_levels=kl, v_levels=vl)
 
-    def _residual_pool(self, key: torch.Tensor) -> torch.Tensor:
-        if self.pool is None:
-            R = self.fmt.residual_chunk
-            self.pool = torch.zeros(self.num_slots, 2, R, self.num_kv_heads, self.head_size,
-                                    dtype=window_dtype(key.dtype), device=key.device)
-        return self.pool
+    def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
+        """Register the residual window's storage layer beside this one, before vLLM asks the
+        model's layers for their KV-cache specs (after loading)."""
+        if not self.fmt.residual_tokens or self.window is not None:
+            return
+        ctx = self.static_forward_context
+        name = next(n for n, layer in ctx.items() if getattr(layer, "impl", None) is self)
+        self.window = KVQWindowLayer(name + WINDOW_SUFFIX, ctx, self.fmt, self.num_kv_heads,
+                                     self.head_size, window_dtype(act_dtype))
 
     def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: KVQMetadata,
@@ -232,12 +248,15 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
             lops = self.ops = self._bind(layer, query.device)
         n = md.num_actual_tokens
         k, v = key[:n], value[:n]
-        if md.plan is None:
+        if md.windows is None:
             lops.write(k, v, kv_cache, md.slot_mapping[:n])
             lops.attend(query[:n], kv_cache, md.block_table, md.seq_lens, md.query_start_loc,
                         self.scale, output[:n], split=md.split)
         else:
-            st_k, st_v = stage_and_write(md, k, v, self._residual_pool(k),
+            if md.plan is None:
+                md.plan_window(get_forward_context().attn_metadata[self.window.layer_name],
+                               query.device, flash_prefill_on(query.device))
+            st_k, st_v = stage_and_write(md, k, v, self.window.rows,
                                          lambda sk, sv, slots: lops.write(sk, sv, kv_cache,
                                                                           slots))
             lops.attend(query[:n], kv_cache, md.block_table, md.seq_lens, md.query_start_loc,

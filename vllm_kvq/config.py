@@ -332,8 +332,3 @@ def model_levels(config: KVQConfig, vllm_config) -> list[tuple]:
                        num_kv_heads=model.get_total_num_kv_heads(),
                        head_dim=model.get_head_size(),
                        model_type=getattr(model.hf_config, "model_type", None))
-
-
-def residual_slot_count(vllm_config) -> int:
-    # At most max_num_seqs sequences run at once; each holds one slot.
-    return vllm_config.scheduler_config.max_num_seqs

@@ -300,10 +300,25 @@ class KVFormat:
 
     def residual_bytes_per_seq(self, num_layers: int, num_kv_heads: int, head_dim: int,
                                elem_bytes: int = 2) -> int:
-        """Full-precision window memory, per running sequence (outside vLLM's pages)."""
+        """Full-precision window bytes per running sequence (the rows it needs; the pool blocks
+        holding them are window_blocks_per_seq)."""
         from vllm_kvq import _C
         return num_layers * _C.residual_bytes_per_seq_layer(
             num_kv_heads, head_dim, self.residual_tokens, elem_bytes)
+
+    def window_rows_per_block(self, head_dim: int, block_size: int,
+                              elem_bytes: int = 2) -> int:
+        """Window rows (one token's K and V) one pool block holds (vllm_kvq.window_cache)."""
+        from vllm_kvq import _C
+        return _C.window_rows_per_block(self.layout(head_dim, block_size).token_bytes,
+                                        block_size, head_dim, elem_bytes)
+
+    def window_blocks_per_seq(self, head_dim: int, block_size: int,
+                              elem_bytes: int = 2) -> int:
+        """Pool blocks a running sequence's window takes (0 without a window)."""
+        from vllm_kvq import _C
+        return _C.window_blocks_per_seq(self.layout(head_dim, block_size).token_bytes,
+                                        block_size, head_dim, self.residual_tokens, elem_bytes)
 
     def with_residual(self, residual_tokens: int) -> "KVFormat":
         suffix = self._name_flags

@@ -7,18 +7,15 @@ and must not need any configuration. What it does, and nothing else:
   3. CPU only: CpuPlatform.get_attn_backend_cls ignores CUSTOM; honour it;
   4. CPU only: let pipeline parallelism run with enforce_eager (a vLLM 0.32 CPU gap);
   5. validate the `kvq` config in the platform's check_and_update_config (the front-end
-     process, before any engine starts) and take the residual pool out of an explicit
-     KV budget, so vLLM's capacity figures include it.
+     process, before any engine starts).
+The residual window needs nothing here: its blocks come from vLLM's own pool
+(vllm_kvq.window_cache), so vLLM's budget and capacity figures include it.
 """
 from __future__ import annotations
-
-import logging
 
 SUPPORTED_VLLM = ("0.32.",)
 BACKEND_PATH = "vllm_kvq.backend.KVQAttentionBackend"
 _PATCHED = "_vllm_kvq_patched"
-
-logger = logging.getLogger("vllm_kvq")
 
 
 def check_vllm_version() -> str:
@@ -72,51 +69,6 @@ def validate_vllm_config(vllm_config) -> None:
             model_levels(cfg, vllm_config)
     except FormatError as e:
         raise ValueError(f"vllm-kvq: {e}") from None
-    if model is not None and cfg.fmt.residual_tokens and cache.kv_cache_memory_bytes:
-        from vllm_kvq.config import residual_slot_count
-        from vllm_kvq.residual import WINDOW_BYTES
-
-        layers = stage_layers(vllm_config)
-        heads = model.get_num_kv_heads(vllm_config.parallel_config)
-        per_seq = cfg.fmt.residual_bytes_per_seq(layers, heads, model.get_head_size(),
-                                                 WINDOW_BYTES)
-        pool = per_seq * residual_slot_count(vllm_config)
-        # Idempotent: the platform hook runs again on the same config (in the engine core,
-        # after the handshake); a budget that already carries our subtraction is left
-        # alone, and only a budget not yet reduced is checked against the pool.
-        if not residual_pool_taken(cache):
-            if pool >= cache.kv_cache_memory_bytes:
-                raise ValueError(
-                    f"vllm-kvq: the residual window ({cfg.fmt.residual_tokens} tokens x "
-                    f"max_num_seqs={residual_slot_count(vllm_config)}) needs {pool} bytes, "
-                    f"more than the KV budget {cache.kv_cache_memory_bytes}; lower "
-                    f"max_num_seqs or kvq.residual_tokens")
-            cache.kv_cache_memory_bytes -= pool
-            # marked on the config object itself: it travels (pickled) to the engine core
-            object.__setattr__(cache, _BUDGET_MARK, cache.kv_cache_memory_bytes)
-            logger.info("vllm-kvq: %d bytes of the KV budget hold the residual window",
-                        pool)
-
-
-# The KV budget after the residual pool was taken out, marked on vLLM's CacheConfig: the
-# hook runs again on the same (pickled) config in the engine core, and must not take it twice.
-_BUDGET_MARK = "_kvq_budget_after"
-
-
-def residual_pool_taken(cache_config) -> bool:
-    """Whether the residual window's pool was already taken out of this explicit budget."""
-    budget = cache_config.kv_cache_memory_bytes
-    return budget is not None and getattr(cache_config, _BUDGET_MARK, None) == budget
-
-
-def stage_layers(vllm_config) -> int:
-    """Decoder layers of the longest pipeline stage: every worker's budget must hold its
-    stage's residual pools (vLLM's get_num_layers counts stage 0 only)."""
-    model, par = vllm_config.model_config, vllm_config.parallel_config
-    pp = getattr(par, "pipeline_parallel_size", 1) or 1
-    if pp == 1:
-        return model.get_num_layers(par)
-    return -(-model.get_total_num_hidden_layers() // pp)
 
 
 def _patch_platform(platform_cls) -> None:

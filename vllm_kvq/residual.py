@@ -1,17 +1,19 @@
 """Bookkeeping of the full-precision residual window (mixed precision, KIVI's residual).
 
 Tokens are quantized into vLLM's pages in aligned chunks of R tokens (R divides the block
-size). Until its chunk is complete a token lives only in full precision, in a slot of a
-per-layer side pool [num_slots, 2, R, H, D] owned by the attention impl, in 16 bits (window_dtype). A slot belongs to
-one running sequence; it is found again from the block holding the sequence's last token
-(the tail block of a running sequence is never shared). Nothing is read from the pages'
-own bytes to decide validity: reused blocks are not zeroed.
+size). Until its chunk is complete a token lives only in full precision, in its sequence's
+window: rows [rows_per_block, 2, H, D] (16 bits, window_dtype) of a few blocks that vLLM's
+own block manager gives every running request for as long as it runs
+(vllm_kvq.window_cache). Window row j of a sequence is row j % rows_per_block of its block
+j // rows_per_block. Nothing is read from the pages' own bytes to decide validity: a window's
+blocks are not zeroed when a new request receives them.
 
 Per step, `plan()` says for every request:
-  - which staging rows to gather from its slot (positions [c0, L_prev)) and from this step's
-    new tokens (positions [L_prev, L)), where c0 = floor(L_prev/R)*R;
+  - which staging rows to gather from its window (positions [c0, L_prev)) and from this
+    step's new tokens (positions [L_prev, L)), where c0 = floor(L_prev/R)*R;
   - which staging rows complete chunks and are quantized into the pages (and at which slots);
-  - which staging rows stay in the slot for the next step (positions [c1, L), c1 = floor(L/R)*R).
+  - which staging rows stay in the window for the next step (positions [c1, L),
+    c1 = floor(L/R)*R).
 Attention reads positions < floor((p+1)/R)*R from the pages and the rest from staging, so
 every query sees exactly what a decode step at its position would see.
 
@@ -19,7 +21,6 @@ Plain Python, no vLLM: tested on its own (tests/test_residual.py).
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -31,14 +32,13 @@ class ResidualStateError(RuntimeError):
 
 @dataclass
 class StepPlan:
-    slots: list[int] = field(default_factory=list)           # pool slot per request
     staging_pos0: list[int] = field(default_factory=list)    # c0 per request
     staging_start: list[int] = field(default_factory=lambda: [0])  # S+1 row offsets
-    pool_gather: tuple[list[int], list[int], list[int]] = ((), (), ())  # rows, slot, slot_row
+    pool_gather: tuple[list[int], list[int], list[int]] = ((), (), ())  # rows, block, row
     new_gather: tuple[list[int], list[int]] = ((), ())       # rows, token index
     final_rows: list[int] = field(default_factory=list)      # staging rows -> pages
     final_slots: list[int] = field(default_factory=list)     # their cache slots
-    keep: tuple[list[int], list[int], list[int]] = ((), (), ())  # rows, slot, slot_row
+    keep: tuple[list[int], list[int], list[int]] = ((), (), ())  # rows, block, row
 
     @property
     def num_staging(self) -> int:
@@ -47,57 +47,45 @@ class StepPlan:
 
 @dataclass
 class _Record:
+    blocks: tuple[int, ...]  # the window's blocks
     block: int      # block id holding the sequence's last written token
-    chunk: int      # absolute position of the slot's first row
+    chunk: int      # absolute position of the window's first row
     count: int      # rows held
 
 
-class ResidualSlots:
-    """Assigns pool slots to running sequences, step by step (one per kv-cache group)."""
+class ResidualWindows:
+    """What each running sequence's window holds, step by step (one per kv-cache group).
 
-    def __init__(self, num_slots: int, residual_tokens: int, block_size: int):
+    vLLM hands a request its window blocks when it first runs and takes them back when it
+    finishes or is preempted; nothing here allocates. A window is known again by its first
+    block, and its rows are trusted only if that block's record names the same blocks and
+    the block holding the sequence's last token: a request that receives blocks some finished
+    request held starts with an empty window (its computed prefix is block-aligned)."""
+
+    def __init__(self, residual_tokens: int, block_size: int, rows_per_block: int):
         assert residual_tokens >= 1 and block_size % residual_tokens == 0
-        self.num_slots = num_slots
+        assert rows_per_block >= 1
         self.R = residual_tokens
         self.B = block_size
-        self.records: dict[int, _Record] = {}
-        self.by_block: dict[int, int] = {}      # block id -> slot
-        self.lru: OrderedDict[int, None] = OrderedDict()
-        self.free = list(range(num_slots - 1, -1, -1))
+        self.rows = rows_per_block
+        self.num_blocks = -(-residual_tokens // rows_per_block)
+        self.records: dict[int, _Record] = {}   # first window block -> what it holds
 
-    def _release(self, slot: int) -> None:
-        rec = self.records.pop(slot, None)
-        if rec is not None and self.by_block.get(rec.block) == slot:
-            del self.by_block[rec.block]
-        self.lru.pop(slot, None)
-
-    def _allocate(self, taken: set[int]) -> int:
-        if self.free:
-            return self.free.pop()
-        for slot in self.lru:  # oldest first: a finished or preempted sequence's slot
-            if slot not in taken:
-                self._release(slot)
-                return slot
-        raise ResidualStateError(
-            f"all {self.num_slots} residual slots are in use by this step's requests; "
-            f"raise the slot count (it follows max_num_seqs)")
-
-    def plan(self, seq_lens: list[int], query_start_loc: list[int],
-             block_table) -> StepPlan:
-        """block_table: indexable [S][max_blocks] (a list of lists or a 2-D tensor)."""
-        R, B = self.R, self.B
+    def plan(self, seq_lens: list[int], query_start_loc: list[int], block_table,
+             window_blocks) -> StepPlan:
+        """block_table: indexable [S][max_blocks] (lists or a 2-D tensor); window_blocks:
+        [S][num_blocks], each request's window blocks."""
+        R, B, rows = self.R, self.B, self.rows
         p = StepPlan()
-        taken: set[int] = set()
-        pg_rows, pg_slot, pg_srow = [], [], []
+        pg_rows, pg_blk, pg_brow = [], [], []
         nw_rows, nw_tok = [], []
-        kp_rows, kp_slot, kp_srow = [], [], []
+        kp_rows, kp_blk, kp_brow = [], [], []
         updates = []
         row = 0
         for s, L in enumerate(seq_lens):
             q0, q1 = query_start_loc[s], query_start_loc[s + 1]
             q = q1 - q0
             if q == 0:
-                p.slots.append(-1)
                 p.staging_pos0.append(L)
                 p.staging_start.append(row)
                 continue
@@ -105,13 +93,16 @@ class ResidualSlots:
             c0, c1 = L_prev // R * R, L // R * R
             need = L_prev - c0
             blocks = block_table[s]
-            slot, rec = -1, None
-            if L_prev > 0:
-                cand = self.by_block.get(int(blocks[(L_prev - 1) // B]))
-                if cand is not None and cand not in taken:
-                    r = self.records[cand]
-                    if r.chunk == c0 and r.count >= need:
-                        slot, rec = cand, r
+            win = tuple(int(b) for b in window_blocks[s][:self.num_blocks])
+            if len(win) < self.num_blocks:
+                raise ResidualStateError(
+                    f"request {s} has {len(win)} window blocks, the window needs "
+                    f"{self.num_blocks}")
+            rec = self.records.get(win[0]) if L_prev > 0 else None
+            if rec is not None and not (rec.blocks == win and rec.chunk == c0
+                                        and rec.count >= need
+                                        and rec.block == int(blocks[(L_prev - 1) // B])):
+                rec = None
             finalize = True
             if need > 0 and rec is None:
                 # Only a full-prompt prefix-cache hit resumes mid-chunk in a block this
@@ -119,21 +110,21 @@ class ResidualSlots:
                 # the block's first writer already quantized. Nothing is read from staging.
                 if not (q == 1 and L == c1):
                     raise ResidualStateError(
-                        f"request {s}: positions {c0}..{L_prev - 1} should be in a residual "
-                        f"slot but none holds them (seq_len={L}, query_len={q})")
+                        f"request {s}: positions {c0}..{L_prev - 1} should be in its "
+                        f"residual window but it holds none of them (seq_len={L}, "
+                        f"query_len={q})")
                 finalize = False
-            if slot < 0:
-                slot = self._allocate(taken)
-            taken.add(slot)
-            p.slots.append(slot)
             p.staging_pos0.append(c0)
             base = row
             if rec is not None:
                 for i in range(need):
-                    pg_rows.append(base + i); pg_slot.append(slot); pg_srow.append(i)
+                    pg_rows.append(base + i)
+                    pg_blk.append(win[i // rows])
+                    pg_brow.append(i % rows)
             row += need
             for i in range(q):
-                nw_rows.append(row + i); nw_tok.append(q0 + i)
+                nw_rows.append(row + i)
+                nw_tok.append(q0 + i)
             row += q
             p.staging_start.append(row)
             if finalize:
@@ -141,16 +132,16 @@ class ResidualSlots:
                     p.final_rows.append(base + pos - c0)
                     p.final_slots.append(int(blocks[pos // B]) * B + pos % B)
             for pos in range(max(c1, L_prev), L):
-                kp_rows.append(base + pos - c0); kp_slot.append(slot); kp_srow.append(pos - c1)
-            updates.append((slot, _Record(int(blocks[(L - 1) // B]), c1, L - c1)))
-        for slot, rec in updates:
-            self._release(slot)
-            self.records[slot] = rec
-            self.by_block[rec.block] = slot
-            self.lru[slot] = None
-        p.pool_gather = (pg_rows, pg_slot, pg_srow)
+                j = pos - c1
+                kp_rows.append(base + pos - c0)
+                kp_blk.append(win[j // rows])
+                kp_brow.append(j % rows)
+            updates.append((win, _Record(win, int(blocks[(L - 1) // B]), c1, L - c1)))
+        for win, rec in updates:
+            self.records[win[0]] = rec
+        p.pool_gather = (pg_rows, pg_blk, pg_brow)
         p.new_gather = (nw_rows, nw_tok)
-        p.keep = (kp_rows, kp_slot, kp_srow)
+        p.keep = (kp_rows, kp_blk, kp_brow)
         return p
 
 
@@ -181,21 +172,21 @@ def stage_and_write(md, key: torch.Tensor, value: torch.Tensor, pool: torch.Tens
                     write) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's step: build staging, quantize completed chunks, keep the rest.
 
-    md: anything with the attributes of plan_tensors() plus `plan`; pool: [slots, 2, R, H, D];
-    write(k_rows, v_rows, cache_slots) quantizes rows into the pages.
-    Returns staging (K, V) [Ns, H, D] for the attention kernel.
+    md: anything with the attributes of plan_tensors() plus `plan`; pool: the window rows
+    [num_blocks, rows_per_block, 2, H, D]; write(k_rows, v_rows, cache_slots) quantizes rows
+    into the pages. Returns staging (K, V) [Ns, H, D] for the attention kernel.
     """
     H, D = key.shape[1:]
     st = torch.empty(2, md.plan.num_staging, H, D, dtype=key.dtype, device=key.device)
-    rows, slot, srow = md.pool_gather
+    rows, blk, brow = md.pool_gather
     if rows.numel():
-        st[:, rows] = pool[slot, :, srow].transpose(0, 1).to(st.dtype)
+        st[:, rows] = pool[blk, brow].transpose(0, 1).to(st.dtype)
     rows, tok = md.new_gather
     st[0, rows] = key[tok]
     st[1, rows] = value[tok]
     if md.final_rows.numel():
         write(st[0, md.final_rows], st[1, md.final_rows], md.final_slots)
-    rows, slot, srow = md.keep
+    rows, blk, brow = md.keep
     if rows.numel():
-        pool[slot, :, srow] = st[:, rows].transpose(0, 1).to(pool.dtype)
+        pool[blk, brow] = st[:, rows].transpose(0, 1).to(pool.dtype)
     return st[0], st[1]

@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-logger = logging.getLogger("vllm_kvq")
+# under "vllm.": vLLM configures that logger tree (handlers, format); a plain one prints nothing
+logger = logging.getLogger("vllm." + __name__)
 
 ROUTE = "/kvq/config"
 PLUGIN_NAME = "vllm_kvq_routes"  # the entry point's name; VLLM_PLUGINS must list it
@@ -30,8 +31,12 @@ GAUGES = {
                           "ratio_vs_bf16"),
     "kvq:residual_tokens": ("recent tokens per sequence kept in full precision",
                             "residual_tokens"),
-    "kvq:capacity_tokens": ("tokens the KV cache holds: num_gpu_blocks x block_size",
+    "kvq:capacity_tokens": ("tokens the KV cache holds: num_gpu_blocks x block_size "
+                            "(running sequences' windows take their blocks from it)",
                             "capacity_tokens"),
+    "kvq:window_bytes_per_seq": ("KV pool bytes one running sequence's full-precision "
+                                 "window takes (its window blocks, all layers)",
+                                 "window_bytes_per_seq"),
 }
 INFO_GAUGE = "kvq:method_info"  # 1, labelled with method, key and value codecs
 _registered: dict[str, Any] = {}
@@ -39,7 +44,7 @@ _registered: dict[str, Any] = {}
 
 def kv_summary(vllm_config) -> dict[str, Any]:
     """The active KV configuration with its exact sizes (the JSON of `GET /kvq/config`)."""
-    from vllm_kvq.plugin import residual_pool_taken, stage_layers, uses_kvq
+    from vllm_kvq.plugin import uses_kvq
 
     model = vllm_config.model_config
     cache = vllm_config.cache_config
@@ -64,24 +69,22 @@ def kv_summary(vllm_config) -> dict[str, Any]:
         "model_dtype": str(model.dtype).removeprefix("torch."),
         "block_size": block_size, "num_blocks": blocks,
         "capacity_tokens": blocks * block_size if blocks is not None else None,
-        "kv_cache_memory_bytes": cache.kv_cache_memory_bytes,  # pages (after the pool)
+        "kv_cache_memory_bytes": cache.kv_cache_memory_bytes,  # the pool: pages + windows
         "max_num_seqs": vllm_config.scheduler_config.max_num_seqs,
         "tensor_parallel_size": tp, "pipeline_parallel_size": pp,
         "kv_heads_per_rank": heads,
     }
     if uses_kvq(vllm_config):
-        from vllm_kvq.config import config_from_vllm, residual_slot_count
+        from vllm_kvq.config import config_from_vllm
         from vllm_kvq.residual import WINDOW_BYTES
 
         cfg = config_from_vllm(vllm_config)
         fmt = cfg.fmt
         per_head = fmt.bytes_per_token(head_dim, block_size)
-        # the window is 16-bit whatever the model's dtype (residual.window_dtype)
-        worker_pool = (fmt.residual_bytes_per_seq(stage_layers(vllm_config), heads, head_dim,
-                                                  WINDOW_BYTES)
-                       * residual_slot_count(vllm_config) if fmt.residual_tokens else 0)
-        residual_per_seq = (fmt.residual_bytes_per_seq(layers, heads, head_dim, WINDOW_BYTES)
-                            if fmt.residual_tokens else 0)
+        # A running sequence's window (16-bit whatever the model's dtype) takes whole blocks
+        # of the pool (vllm_kvq.window_cache), only while it runs.
+        window_blocks = fmt.window_blocks_per_seq(head_dim, block_size, WINDOW_BYTES)
+        window_per_seq = window_blocks * block_size * per_head["total"] * layers * heads
         out.update({
             "backend": "vllm_kvq", "method": fmt.name,
             "key": fmt.key.describe(), "value": fmt.value.describe(),
@@ -90,14 +93,15 @@ def kv_summary(vllm_config) -> dict[str, Any]:
             "bytes_per_token": per_head["total"] * layers * heads,
             "ratio_vs_bf16": fmt.ratio_vs_bf16(head_dim, block_size),
             "residual_tokens": fmt.residual_tokens,
-            "residual_bytes_per_seq": residual_per_seq,
-            "residual_pool_bytes": residual_per_seq * residual_slot_count(vllm_config),
-            # each worker's budget holds its pipeline stage's share of the pool
-            "residual_pool_bytes_per_worker": worker_pool,
+            "residual_bytes_per_seq": fmt.residual_bytes_per_seq(layers, heads, head_dim,
+                                                                 WINDOW_BYTES),
+            "window_blocks_per_seq": window_blocks,
+            "window_bytes_per_seq": window_per_seq,
+            # if every sequence slot ran at once; memory follows the sequences that run
+            "window_bytes_at_max_num_seqs": window_per_seq
+            * vllm_config.scheduler_config.max_num_seqs,
             "config": cfg.to_dict(),
         })
-        if residual_pool_taken(cache):  # plugin.py took it out of the explicit budget
-            out["kv_budget_bytes"] = cache.kv_cache_memory_bytes + worker_pool
     else:
         dtype = cache.cache_dtype
         elem = 1 if str(dtype).startswith("fp8") else model.dtype.itemsize
@@ -109,7 +113,8 @@ def kv_summary(vllm_config) -> dict[str, Any]:
             "bytes_per_token_per_kv_head": 2 * head_dim * elem,
             "bytes_per_token": per_token,
             "ratio_vs_bf16": bf16_per_token / per_token,
-            "residual_tokens": 0, "residual_bytes_per_seq": 0, "residual_pool_bytes": 0,
+            "residual_tokens": 0, "residual_bytes_per_seq": 0, "window_blocks_per_seq": 0,
+            "window_bytes_per_seq": 0, "window_bytes_at_max_num_seqs": 0,
             "config": None,
         })
     out["bf16_bytes_per_token"] = bf16_per_token
@@ -159,6 +164,11 @@ class KVQEndpointPlugin:
             return
         self.summary = summary = kv_summary(engine_client.vllm_config)
         publish_gauges(summary)
-        logger.info("vllm-kvq: %s, %.4g bytes/token (x%.3g vs bf16), capacity %s tokens; "
-                    "GET %s", summary["method"], summary["bytes_per_token"],
-                    summary["ratio_vs_bf16"], summary["capacity_tokens"], ROUTE)
+        logger.info("vllm-kvq: %s, %.4g bytes/token (x%.3g vs bf16), capacity %s tokens in "
+                    "%s bytes; window %d tokens in %d blocks = %d bytes per running sequence "
+                    "(%d bytes at max_num_seqs=%d); GET %s", summary["method"],
+                    summary["bytes_per_token"], summary["ratio_vs_bf16"],
+                    summary["capacity_tokens"], summary["kv_cache_memory_bytes"],
+                    summary["residual_tokens"], summary["window_blocks_per_seq"],
+                    summary["window_bytes_per_seq"], summary["window_bytes_at_max_num_seqs"],
+                    summary["max_num_seqs"], ROUTE)

@@ -20,17 +20,16 @@ from pathlib import Path
 TOP_K = 20             # log-probs kept per position (vLLM's default max_logprobs)
 CONFIDENT_NATS = 0.5   # "confident" positions: baseline top-1 beats top-2 by this much
 VLLM_PEERS = {"vllm": {}, "vllm-fp8": {"kv_cache_dtype": "fp8"}}
-MAX_NUM_SEQS = 16
 GREEDY_PROMPTS = ["The capital of France is", "def fibonacci(n):",
                   "Water boils at a temperature of", "The three primary colors are"]
 
 
 def engine_kwargs(method: str | dict, model: str, kv_budget: int, max_model_len: int,
                   **extra) -> dict:
-    # max_num_seqs also sizes the residual window's pool (one slot per running sequence)
+    # vLLM's default max_num_seqs: the residual window takes memory only for the sequences
+    # that run (vllm_kvq.window_cache)
     kw = dict(model=model, enforce_eager=True, max_model_len=max_model_len,
-              kv_cache_memory_bytes=kv_budget, seed=0, max_logprobs=TOP_K,
-              max_num_seqs=MAX_NUM_SEQS)
+              kv_cache_memory_bytes=kv_budget, seed=0, max_logprobs=TOP_K)
     kw.update(extra)
     if isinstance(method, str) and method in VLLM_PEERS:
         kw.update(VLLM_PEERS[method])
@@ -41,9 +40,11 @@ def engine_kwargs(method: str | dict, model: str, kv_budget: int, max_model_len:
 
 
 def capacity(llm) -> dict:
-    cache = llm.llm_engine.vllm_config.cache_config
+    config = llm.llm_engine.vllm_config
+    cache = config.cache_config
     return {"num_blocks": cache.num_gpu_blocks, "block_size": cache.block_size,
-            "capacity_tokens": cache.num_gpu_blocks * cache.block_size}
+            "capacity_tokens": cache.num_gpu_blocks * cache.block_size,
+            "max_num_seqs": config.scheduler_config.max_num_seqs}
 
 
 def prompt_logprobs(llm, windows: list[list[int]]) -> list[list[dict]]:

@@ -76,19 +76,19 @@ def markdown(result: dict, command: str = "", machine: str = "") -> str:
 
     L.append("## Memory\n")
     L.append("| method | stored as | B/token/kv-head | KiB/token (model) | bits/value | "
-             "× smaller than bf16 | residual window KiB/seq | capacity (tokens) | "
+             "× smaller than bf16 | window KiB per running seq | capacity (tokens) | "
              "capacity × bf16 |")
     L.append("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         cap = "unavailable" if r.get("unavailable") else _f(r.get("capacity_tokens"), "{:,}")
         L.append(f"| `{r['method']}` | {r['format']} | {r['bytes_per_token_head']:g} | "
                  f"{r['bytes_per_token_model'] / 1024:.2f} | {r['bits_per_value']:.2f} | "
-                 f"{r['ratio_vs_bf16']:.2f} | {r['residual_bytes_per_seq'] / 1024:,.0f} | "
+                 f"{r['ratio_vs_bf16']:.2f} | {r.get('window_bytes_per_seq', 0) / 1024:,.0f} | "
                  f"{cap} | {_f(r.get('capacity_ratio'), '{:.2f}')} |")
     L.append("\nBytes per token include scales, zero-points and padding (csrc/kvq_layout.h). "
-             "The residual window (recent tokens kept in full precision, 16-bit) "
-             f"is taken out of the KV budget for all {plan['max_num_seqs']} sequence "
-             "slots before vLLM sizes its pages, so it lowers capacity.\n")
+             "The residual window (recent tokens kept in full precision, 16-bit) takes "
+             "whole blocks of vLLM's pool per running sequence, only while it runs; capacity "
+             "counts all of the pool's blocks.\n")
 
     pk_lens = plan["passkey_lengths"]
     pk_text = ("Passkey: a 5-digit key at seeded depths ("

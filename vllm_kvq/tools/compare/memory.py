@@ -31,7 +31,7 @@ def memory_row(method: str, dims: dict, dtype: str, block_size: int = 128) -> di
     if m in VLLM_PEERS:
         per_head = 2 * D * (1 if m == "vllm-fp8" else elem)
         desc = "fp8 (vLLM)" if m == "vllm-fp8" else f"{dtype} (vLLM)"
-        residual = 0
+        residual = window = 0
         fields = {}
     else:
         from vllm_kvq.config import config_from_dict
@@ -42,8 +42,11 @@ def memory_row(method: str, dims: dict, dtype: str, block_size: int = 128) -> di
         desc = f"K {fmt.key.describe()}, V {fmt.value.describe()}" + (
             f", {fmt.residual_tokens} recent fp" if fmt.residual_tokens else "")
         residual = fmt.residual_bytes_per_seq(L, H, D, WINDOW_BYTES)  # 16-bit window
+        # the pool blocks holding it while the sequence runs (vllm_kvq.window_cache)
+        window = (fmt.window_blocks_per_seq(D, block_size, WINDOW_BYTES) * block_size
+                  * per_head * L * H)
         fields = {k: v / block_size for k, v in lay.fields().items() if v}
     return {"format": desc, "bytes_per_token_head": per_head,
             "bytes_per_token_model": per_head * L * H, "bits_per_value": per_head * 8 / (2 * D),
             "ratio_vs_bf16": 4 * D / per_head, "residual_bytes_per_seq": residual,
-            "fields_per_token_head": fields}
+            "window_bytes_per_seq": window, "fields_per_token_head": fields}
