@@ -55,8 +55,9 @@ def run_engine(scenario: str, method: str, extra: str = "{}") -> dict:
 
 @pytest.fixture(scope="session")
 def servers():
-    """method -> base URL of a live `vllm-kvq serve` (tests/serve_process.py); each starts
-    on first use and stops at the end of the session, so test files share them."""
+    """(method, model folder or None) -> base URL of a live `vllm-kvq serve`
+    (tests/serve_process.py); each starts on first use and stops at the end of the
+    session, so test files share them."""
     import contextlib
 
     from serve_process import server
@@ -64,9 +65,9 @@ def servers():
     with contextlib.ExitStack() as stack:
         started = {}
 
-        def get(method: str) -> str:
-            if method not in started:
-                started[method] = stack.enter_context(server(method))
-            return started[method]
+        def get(method: str, model: str | None = None) -> str:
+            if (method, model) not in started:
+                started[method, model] = stack.enter_context(server(method, model))
+            return started[method, model]
 
         yield get

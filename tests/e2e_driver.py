@@ -15,7 +15,7 @@ import traceback
 
 from vllm_kvq.tools.evaluate import (GREEDY_PROMPTS, capacity, default_windows, engine_kwargs,
                                      greedy_with_margins, run_method)
-from vllm_kvq.model_prep import ensure_default_model
+from vllm_kvq.model_prep import MODELS, ensure_model
 from vllm_kvq.tools.faults import install_from_env as install_fault_from_env
 
 # The quality windows: >= 4k tokens of real text (4 x 1024).
@@ -59,7 +59,7 @@ def main(argv: list[str]):
     # These CPUs lack AVX512-BF16: a bf16 model computes ~3x slower than fp32. The cache
     # format (bf16 baseline, quantized ones) is independent of the model's dtype.
     extra.setdefault("dtype", "float32")
-    model = str(ensure_default_model(verbose=False))
+    model = str(ensure_model(MODELS[extra.pop("model", "smollm2")], verbose=False))
     windows = default_windows(model, n_windows, window)
     if scenario == "quality":
         result = run_method(method, model, windows, **{"kv_budget": QUALITY_BUDGET, **extra})

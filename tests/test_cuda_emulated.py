@@ -134,7 +134,7 @@ def _case(fmt, D, Hq, H, B, qlens, ctx, dtype, seed):
 def _run(emu, fmt, c, force_generic=False, part_tokens=0, num_sms=132):
     out = torch.full_like(c["q"], float("nan"))
     emu.paged_attention(out, c["q"], c["cache"], c["bt"], c["sl"], c["qsl"], c["sk"], c["sv"],
-                        c["ssl"], c["sp0"], c["R"], c["scale"], fmt.key.as_ints(),
+                        c["ssl"], c["sp0"], c["R"], c["window"], c["scale"], fmt.key.as_ints(),
                         fmt.value.as_ints(), c["ks"], c["vs"], force_generic, part_tokens,
                         num_sms)
     return out.float()
@@ -183,6 +183,22 @@ def test_decode_auto_partitions_wide_block_table(emu, name, num_sms):
     wide = torch.cat([bt, torch.full((bt.shape[0], 3 * bt.shape[1]), 1 << 30, dtype=torch.int32)], 1)
     got = _run(emu, fmt, dict(c, bt=wide), num_sms=num_sms)
     assert (got - want).abs().max() <= _tol(torch.bfloat16, want)
+
+
+@pytest.mark.parametrize("name,D,W", [("bf16", 256, 512), ("int4_group32", 256, 512),
+                                      ("kivi2", 64, 160)])
+def test_sliding_window(emu, name, D, W):
+    """A sliding window (Gemma 3's shape: head_dim 256, one kv head, 4 query heads; and
+    SmolLM2's): decodes far past the window and prefill chunks crossing it go through the
+    generic kernel, which starts at the window and masks each row; blocks wholly before the
+    window are another sequence's (vLLM's null block)."""
+    fmt = parse_format(name)
+    Hq, H = (4, 1) if D == 256 else (6, 2)
+    c = attention_case(fmt, D, Hq, H, _block(fmt), [1, 100, 1, 600], [899, 320, 129, 0],
+                       torch.bfloat16, 4, spare_blocks=2, window=W)
+    assert (c["bt"][0, :2] == 0).all()
+    got = _run(emu, fmt, c)
+    assert (got - c["expected"]).abs().max() <= _tol(torch.bfloat16, c["expected"])
 
 
 @pytest.mark.parametrize("name", cases(NAMES, ["kivi2"]))

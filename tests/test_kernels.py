@@ -269,7 +269,7 @@ SEQS = [(40, 40), (90, 25), (20, 0), (61, 1), (270, 30), (300, 1)]
 
 
 def build_case(name, D, B, gq, H, dtype, seqs=SEQS, seed=0, kind="normal", extra_rows=3,
-               levels=(None, None), tokens=None):
+               levels=(None, None), tokens=None, window=0):
     """The shared case (vllm_kvq.tools.paged_attention_case.attention_case: cache written
     by the reference, byte-identical to ops.write_cache as tested above; staging rows for
     positions >= floor((first+1)/R)*R; shuffled block tables, unused entries past the
@@ -291,10 +291,11 @@ def build_case(name, D, B, gq, H, dtype, seqs=SEQS, seed=0, kind="normal", extra
     c = attention_case(fmt, D, H * gq, H, B, qlens=[nq for _, nq in seqs],
                        ctx=[L - nq for L, nq in seqs], dtype=dtype, seed=seed, scales=scales,
                        levels=levels, tokens=kv, extra_rows=extra_rows, unused_block=10**6,
-                       expected=False)
+                       expected=False, window=window)
     case = dict(fmt=fmt, lay=c["lay"], query=c["q"], cache=c["cache"], block_table=c["bt"],
                 seq_lens=c["sl"], query_start_loc=c["qsl"], softmax_scale=c["scale"],
-                k_scale=scales[0], v_scale=scales[1], k_levels=levels[0], v_levels=levels[1])
+                k_scale=scales[0], v_scale=scales[1], k_levels=levels[0], v_levels=levels[1],
+                window=window)
     if fmt.residual_chunk > 1:
         case.update(staging_k=c["sk"], staging_v=c["sv"], staging_start_loc=c["ssl"],
                     staging_pos0=c["sp0"])
@@ -306,7 +307,7 @@ def run_ref(c):
         c["query"], c["cache"], c["block_table"], c["seq_lens"], c["query_start_loc"],
         c["fmt"], c["lay"], c["softmax_scale"], c["k_scale"], c["v_scale"],
         c.get("staging_k"), c.get("staging_v"), c.get("staging_start_loc"),
-        c.get("staging_pos0"), c.get("k_levels"), c.get("v_levels"))
+        c.get("staging_pos0"), c.get("k_levels"), c.get("v_levels"), c.get("window", 0))
 
 
 # --- the int8 query of int keys ------------------------------------------------------------
@@ -390,7 +391,8 @@ def run_ref_int8q(c):
                 lg = (qt.double()[rowof] * kz.double()).sum(-1) + (Z[h][rowof].double() @ x.double())
                 if Ks is not None:
                     lg = torch.cat([lg, Ks[h].double() @ x.double()])
-                out[q0 + i, hq] = torch.softmax(lg / LOG2E, 0).float() @ Vp[h]
+                lo = max(0, p - c["window"] + 1) if c.get("window") else 0  # keys (p - W, p]
+                out[q0 + i, hq] = torch.softmax(lg[lo:] / LOG2E, 0).float() @ Vp[h, lo:]
     return out.to(query.dtype)
 
 
@@ -418,7 +420,8 @@ def run_mine(c, path=None, **over):
             args["query_start_loc"], args["fmt"], args["softmax_scale"], args["k_scale"],
             args["v_scale"], args.get("staging_k"), args.get("staging_v"),
             args.get("staging_start_loc"), args.get("staging_pos0"), out=sentinel,
-            k_levels=args.get("k_levels"), v_levels=args.get("v_levels"))
+            k_levels=args.get("k_levels"), v_levels=args.get("v_levels"),
+            sliding_window=args.get("window", 0))
     n = int(args["query_start_loc"][-1])
     assert torch.all(out[n:] == 7.0), "rows past query_start_loc[-1] must be left untouched"
     return out[:n]
@@ -527,6 +530,72 @@ def test_attention_shapes(name, D, B, gq, dtype):
     ref = run_refs(c)
     for path in PATHS:
         assert_attn_close(run_mine(c, path), ref, dtype, what=f"{name} {path}")
+
+
+# Sliding windows (Gemma 2/3, Mistral): a query at p sees keys (p - W, p]; blocks wholly
+# before every query's window hold other data (vLLM's null block) and must not be read.
+# Decodes far past the window, prefill chunks that cross it, a whole prefill longer than
+# it, at Gemma 3's shape (head_dim 256, one kv head, 4 query heads) and SmolLM2's; W equal to
+# the residual window R is the smallest allowed.
+WINDOW_SEQS = [(900, 1), (700, 1), (420, 100), (600, 600), (130, 1)]
+WINDOW_CASES = [("bf16", 256, 4, 1, 512, torch.bfloat16),
+                ("int4_group32", 256, 4, 1, 512, torch.float32),
+                ("kivi2", 64, 3, 2, 160, torch.float32),
+                ("nuq3", 256, 4, 1, 512, torch.bfloat16),
+                ("int8_token", 64, 3, 2, 96, torch.float32),
+                ("kivi2_k16_g16_r32", 64, 3, 2, 32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("name,D,gq,H,W,dtype", WINDOW_CASES,
+                         ids=[f"{c[0]}-D{c[1]}-W{c[4]}" for c in WINDOW_CASES])
+def test_sliding_window(name, D, gq, H, W, dtype):
+    B = max(64, parse_format(name).residual_chunk)
+    fmt = parse_format(name)
+    levels = tuple(reference.uniform_levels(x.bits) if x.encoding == "nuq" else None
+                   for x in (fmt.key, fmt.value))
+    c = build_case(name, D, B, gq=gq, H=H, dtype=dtype, seqs=WINDOW_SEQS, seed=W + D,
+                   levels=levels, window=W)
+    assert (c["block_table"][0, :2] == 0).all()  # blocks before the window: the "null" one
+    ref = run_refs(c)
+    full = run_ref(dict(c, window=0, block_table=build_case(
+        name, D, B, gq=gq, H=H, dtype=dtype, seqs=WINDOW_SEQS, seed=W + D,
+        levels=levels)["block_table"]))
+    assert not torch.allclose(ref[0] if isinstance(ref, list) else ref, full, atol=1e-2)
+    for path in PATHS:
+        assert_attn_close(run_mine(c, path), ref, dtype, what=f"{name} W={W} {path}")
+
+
+@pytest.mark.parametrize("name", ["bf16", "int4_group32", "int8_token"])
+def test_positions_outside_the_window_change_nothing(name):
+    """Two caches that differ only in the K/V of positions before a query's window (in
+    whole blocks and in the block the window starts in): the same output, bit for bit, on
+    every SIMD path (per-token formats: a token's bytes are its own)."""
+    W, seqs = 512, [(900, 1), (700, 1), (560, 60)]
+    firsts = [L - nq - W + 1 for L, nq in seqs]  # the first query's first key
+
+    def tokens(perturbed):
+        def kv(s, L):
+            g = torch.Generator().manual_seed(100 + s)
+            k, v = torch.randn(L, 1, 256, generator=g), torch.randn(L, 1, 256, generator=g)
+            if perturbed and firsts[s] > 0:
+                k[:firsts[s]] = torch.randn(firsts[s], 1, 256) * 9
+                v[:firsts[s]] = torch.randn(firsts[s], 1, 256) * 9
+            return k, v
+        return kv
+
+    a, b = (build_case(name, 256, 64, gq=4, H=1, dtype=torch.float32, seqs=seqs, seed=3,
+                       tokens=tokens(p), window=W) for p in (False, True))
+    assert not torch.equal(a["cache"], b["cache"])
+    for path in PATHS:
+        assert torch.equal(run_mine(a, path), run_mine(b, path)), path
+
+
+def test_sliding_window_argument_errors():
+    c = build_case("kivi2", 64, 128, gq=3, H=2, dtype=torch.float32, seqs=[(200, 1)])
+    with pytest.raises(ValueError, match="sliding_window=64 must be 0 .* R=128"):
+        run_mine(c, window=64)
+    with pytest.raises(ValueError, match="sliding_window=-1"):
+        run_mine(c, window=-1)
 
 
 # Rotated formats (vllm_kvq.rotation): every head size the rotation allows, prefill chunks

@@ -12,29 +12,34 @@ from serve_process import API_KEY, free_port, running
 
 from vllm_kvq.cli import serve_command
 from vllm_kvq.formats import FormatError, parse_format
+from vllm_kvq.model_prep import MODELS, ensure_model
 from vllm_kvq.serve_defaults import MAX_BUDGET, MIN_BUDGET
 from vllm_kvq.tools.evaluate import GREEDY_PROMPTS
 
 pytestmark = pytest.mark.e2e
-# One server per kind of cache path: plain per-group int, a residual window (kivi2, also
-# the OpenAI-API test's server), and a nuq codebook format whose calibration, shipped for
-# the default model, is found by itself. Every method's engine path (quality, capacity) is
-# covered by tests/test_engine_cache.py; these prove the server wiring, started once each.
-METHODS = ["int4_group32", "kivi2", "nuq3"]
+# One server per kind of cache path: a residual window (kivi2, also the OpenAI-API test's
+# server), a nuq codebook format whose calibration, shipped for the default model, is found
+# by itself, and Gemma 3 (sliding-window layers, head_dim 256, one kv head) with kivi2 given
+# as a model folder. Every method's engine path (quality, capacity) is covered by
+# tests/test_engine_cache.py and tests/test_gemma.py; these prove the server wiring.
+# (model, method, a word its greedy answer to GREEDY_PROMPTS[0] holds)
+SERVED = [("smollm2", "kivi2", "Paris"), ("smollm2", "nuq3", "Paris"),
+          ("gemma3", "kivi2", "France")]
 
 
 def client(base: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0)
 
 
-@pytest.mark.parametrize("method", METHODS)
-def test_every_method_serves_sensible_deterministic_text(method, servers):
-    base = servers(method)
+@pytest.mark.parametrize("model,method,word", SERVED, ids=[f"{m}-{k}" for m, k, _ in SERVED])
+def test_every_method_serves_sensible_deterministic_text(model, method, word, servers):
+    folder = None if model == "smollm2" else str(ensure_model(MODELS[model], verbose=False))
+    base = servers(method, folder)
     c = client(base)
-    model = c.models.list().data[0].id
-    texts = [c.completions.create(model=model, prompt=GREEDY_PROMPTS[0], max_tokens=12,
+    served = c.models.list().data[0].id
+    texts = [c.completions.create(model=served, prompt=GREEDY_PROMPTS[0], max_tokens=12,
                                   temperature=0.0).choices[0].text for _ in range(2)]
-    assert "Paris" in texts[0] and texts[0] == texts[1], texts
+    assert word in texts[0] and texts[0] == texts[1], texts
 
 
 def test_openai_api_and_bad_input_on_a_quantized_cache(servers):

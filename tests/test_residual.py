@@ -7,7 +7,8 @@ import torch
 
 from vllm_kvq import reference as ref
 from vllm_kvq.formats import parse_format
-from vllm_kvq.residual import ResidualStateError, ResidualWindows, plan_tensors, stage_and_write
+from vllm_kvq.residual import (ResidualStateError, ResidualWindows, plan_tensors,
+                               stage_and_write, window_addresses)
 
 B, H, HQ, D = 64, 2, 4, 64
 SCALE = D ** -0.5
@@ -61,11 +62,12 @@ class Sim:
             ks.append(k), vs.append(v), qs.append(q)
         k, v, q = torch.cat(ks), torch.cat(vs), torch.cat(qs)
         bt = torch.tensor(tables, dtype=torch.int32)
-        plan = self.windows.plan(seq_lens, qsl, tables,
-                                 [self.window(rid) for rid, *_ in batch])
+        windows = [self.window(rid) for rid, *_ in batch]
+        plan = self.windows.plan(seq_lens, qsl, tables, windows)
         md = SimpleNamespace(plan=plan, **plan_tensors(plan, "cpu"))
+        addresses = window_addresses(md, torch.tensor(windows), self.windows.rows)
         st_k, st_v = stage_and_write(
-            md, k, v, self.pool,
+            md, k, v, self.pool, addresses,
             lambda a, b, s: ref.write_cache(a, b, self.cache, s, self.fmt, self.layout))
         out = ref.paged_attention(q, self.cache, bt, torch.tensor(seq_lens), torch.tensor(qsl),
                                   self.fmt, self.layout, SCALE, staging_k=st_k, staging_v=st_v,

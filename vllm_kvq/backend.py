@@ -95,7 +95,12 @@ class KVQAttentionBackend(AttentionBackend):
         if spec.head_size_v != spec.head_size:
             raise ValueError(f"vllm-kvq needs equal K and V head sizes, got "
                              f"{spec.head_size} and {spec.head_size_v}")
-        layout = fmt.layout(spec.head_size, spec.block_size)
+        # vLLM first probes a sliding-window layer with block_size=1 for its bytes per token
+        # (model_executor/layers/attention/attention.py): answer for the usual 128
+        B = spec.block_size if spec.block_size % 16 == 0 else 128
+        layout = fmt.layout(spec.head_size, B)
+        # keeps the spec's class (full or sliding window): vLLM's manager for it recycles
+        # the blocks that leave a sliding window
         return dataclasses.replace(spec, dtype=torch.uint8,
                                    state_content_bytes=layout.token_bytes)
 
@@ -186,7 +191,6 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
         self.fmt = self.config.fmt
         problems = {
             "alibi_slopes": alibi_slopes is not None,
-            "sliding_window": sliding_window is not None,
             "logits_soft_cap": bool(logits_soft_cap),
             f"attn_type={attn_type}": attn_type != AttentionType.DECODER,
             "kv_sharing_target_layer_name": kv_sharing_target_layer_name is not None,
@@ -197,8 +201,15 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
         if bad:
             raise NotImplementedError(
                 f"vllm-kvq's backend does not support {', '.join(bad)} (decoder-only "
-                f"full attention with kv_cache_dtype=auto; choose the format with "
-                f"--additional-config kvq.method)")
+                f"full or sliding-window attention with kv_cache_dtype=auto; choose the "
+                f"format with --additional-config kvq.method)")
+        R = self.fmt.residual_tokens
+        if sliding_window and R > sliding_window:
+            raise ValueError(
+                f"vllm-kvq: kvq.method={self.fmt.name!r} keeps the last {R} tokens in full "
+                f"precision, more than the model's sliding window of {sliding_window}; "
+                f"choose kvq.residual_tokens <= {sliding_window}")
+        self.sliding_window = sliding_window or 0
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -222,7 +233,7 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
             kl, vl = self.all_levels[idx]
         return ops.LayerOps(self.fmt, self.num_kv_heads, self.head_size, device,
                             k_scale=self.config.k_scale, v_scale=self.config.v_scale,
-                            k_levels=kl, v_levels=vl)
+                            k_levels=kl, v_levels=vl, sliding_window=self.sliding_window)
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         """Register the residual window's storage layer beside this one, before vLLM asks the
@@ -253,10 +264,11 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
             lops.attend(query[:n], kv_cache, md.block_table, md.seq_lens, md.query_start_loc,
                         self.scale, output[:n], split=md.split)
         else:
+            window = get_forward_context().attn_metadata[self.window.layer_name]
             if md.plan is None:
-                md.plan_window(get_forward_context().attn_metadata[self.window.layer_name],
-                               query.device, flash_prefill_on(query.device))
+                md.plan_window(window, query.device, flash_prefill_on(query.device))
             st_k, st_v = stage_and_write(md, k, v, self.window.rows,
+                                         window.addresses_of(md, self.window.rows_per_block),
                                          lambda sk, sv, slots: lops.write(sk, sv, kv_cache,
                                                                           slots))
             lops.attend(query[:n], kv_cache, md.block_table, md.seq_lens, md.query_start_loc,

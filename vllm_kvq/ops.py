@@ -201,7 +201,7 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
                     staging_start_loc: torch.Tensor | None = None,
                     staging_pos0: torch.Tensor | None = None,
                     out: torch.Tensor | None = None, k_levels=None,
-                    v_levels=None) -> torch.Tensor:
+                    v_levels=None, sliding_window: int = 0) -> torch.Tensor:
     """Causal attention of a mixed batch over the quantized paged cache (see reference.py).
 
     query [T, Hq, D]; block_table int32 [S, max_blocks]; seq_lens int32 [S] (incl. this
@@ -209,7 +209,8 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
     out are written. With fmt.residual_chunk R > 1, a query at position p reads positions
     >= floor((p+1)/R)*R from staging_k/v [Ns, H, D] rows staging_start_loc[s] +
     (pos - staging_pos0[s]); with R == 1 staging is not used (may be None).
-    k_levels/v_levels: codebooks of nuq codecs (as write_cache).
+    k_levels/v_levels: codebooks of nuq codecs (as write_cache). sliding_window W > 0: a
+    query at position p sees keys (p - W, p] only; earlier blocks are never read.
     """
     _check_float("query", query)
     if query.dim() != 3:
@@ -284,12 +285,20 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
         dst = torch.zeros_like(query)
     _ops().paged_attention(dst, query, cache, block_table, seq_lens, query_start_loc,
                            staging_k, staging_v, staging_start_loc, staging_pos0, R,
-                           softmax_scale, fmt.key.as_ints(), fmt.value.as_ints(), ks, vs, kl,
-                           vl)
+                           _window(sliding_window, R), softmax_scale, fmt.key.as_ints(),
+                           fmt.value.as_ints(), ks, vs, kl, vl)
     if rot is not None:
         n = int(query_start_loc[-1])  # only the rows the kernel wrote
         out[:n] = rotation.unrotate(dst[:n], rot)
     return out
+
+
+def _window(sliding_window: int | None, R: int) -> int:
+    W = int(sliding_window or 0)
+    if W < 0 or (W and W < R):
+        _fail(f"sliding_window={sliding_window} must be 0 (none) or at least the residual "
+              f"window's chunk R={R}: a query reads its last < R positions from staging")
+    return W
 
 
 class LayerOps:
@@ -303,13 +312,15 @@ class LayerOps:
     """
 
     def __init__(self, fmt: KVFormat, num_kv_heads: int, head_dim: int, device,
-                 k_scale=None, v_scale=None, k_levels=None, v_levels=None):
+                 k_scale=None, v_scale=None, k_levels=None, v_levels=None,
+                 sliding_window: int | None = None):
         if head_dim not in SUPPORTED_HEAD_SIZES:
             _fail(f"head_dim={head_dim} is not allowed; allowed: "
                   f"{', '.join(map(str, SUPPORTED_HEAD_SIZES))}")
         _check_codec(fmt)
         self.fmt = fmt
         self.residual_chunk = fmt.residual_chunk
+        self.sliding_window = _window(sliding_window, fmt.residual_chunk)
         self.k_codec, self.v_codec = fmt.key.as_ints(), fmt.value.as_ints()
         H = num_kv_heads
         self.k_scale = _static_scales(k_scale, fmt.key, H, "k_scale", device)
@@ -359,7 +370,8 @@ class LayerOps:
 
     def _attend(self, query, cache, block_table, seq_lens, query_start_loc, softmax_scale,
                 out, staging_k, staging_v, staging_start_loc, staging_pos0, split):
-        if split is None or query.device.type != "cpu":
+        # sliding-window layers: the paged kernel for prefills too (it masks per row)
+        if split is None or query.device.type != "cpu" or self.sliding_window:
             return self._kernel(query, cache, block_table, seq_lens, query_start_loc,
                                 softmax_scale, out, staging_k, staging_v, staging_start_loc,
                                 staging_pos0)
@@ -385,7 +397,8 @@ class LayerOps:
             staging_v, staging_start_loc, staging_pos0 = staging_k, self._no_rows, self._no_rows
         self._ops.paged_attention(out, query, cache, block_table, seq_lens, query_start_loc,
                                   staging_k, staging_v, staging_start_loc, staging_pos0,
-                                  self.residual_chunk, softmax_scale, self.k_codec,
+                                  self.residual_chunk, self.sliding_window, softmax_scale,
+                                  self.k_codec,
                                   self.v_codec, self.k_scale, self.v_scale, self.k_levels,
                                   self.v_levels)
         return out

@@ -445,13 +445,15 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
                     staging_v: torch.Tensor | None = None,
                     staging_start_loc: torch.Tensor | None = None,
                     staging_pos0: torch.Tensor | None = None,
-                    k_levels=None, v_levels=None) -> torch.Tensor:
+                    k_levels=None, v_levels=None, sliding_window: int = 0) -> torch.Tensor:
     """Causal attention of a mixed batch (prefills, chunks, decodes) over a paged cache.
 
     query [T, Hq, D]; block_table [S, max_blocks]; seq_lens [S] (including this step's
     tokens); query_start_loc [S+1]. Staging (full-precision recent tokens, see module doc):
     staging_k/v [Ns, Hk, D], request s's rows start at staging_start_loc[s] and hold
-    positions staging_pos0[s].. seq_lens[s]-1.
+    positions staging_pos0[s].. seq_lens[s]-1. sliding_window W > 0: a query at position p
+    sees keys (p - W, p] only (vLLM's convention); blocks wholly before every query's window
+    are not read (vLLM puts its null block there).
     """
     T, Hq, D = query.shape
     rot = rotation.matrix(D, "cpu") if fmt.rotation != "none" else None
@@ -470,12 +472,13 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
         nblk = (L + B - 1) // B
         K = torch.zeros(H, nblk * B, D)
         V = torch.zeros(H, nblk * B, D)
-        for j in range(nblk):
+        first = L - (q1 - q0)
+        lo_blk = max(0, first - sliding_window + 1) // B if sliding_window else 0
+        for j in range(lo_blk, nblk):
             for h in range(H):
                 k, v = read_block(cache, int(block_table[s, j]), h, fmt, layout, k_scale, v_scale,
                                   k_levels, v_levels)
                 K[h, j * B:(j + 1) * B], V[h, j * B:(j + 1) * B] = k, v
-        first = L - (q1 - q0)
         for i in range(q1 - q0):
             p = first + i
             F = (p + 1) // R * R
@@ -485,10 +488,11 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
                 rows = slice(st0 + F - pos0, st0 + p + 1 - pos0)
                 Kp[:, F:] = staging_k[rows].transpose(0, 1).to(torch.float32)
                 Vp[:, F:] = staging_v[rows].transpose(0, 1).to(torch.float32)
+            lo = max(0, p - sliding_window + 1) if sliding_window else 0
             for hq in range(Hq):
                 h = hq // (Hq // H)
-                logits = (Kp[h] @ query[q0 + i, hq].to(torch.float32)) * softmax_scale
-                out[q0 + i, hq] = torch.softmax(logits, 0) @ Vp[h]
+                logits = (Kp[h, lo:] @ query[q0 + i, hq].to(torch.float32)) * softmax_scale
+                out[q0 + i, hq] = torch.softmax(logits, 0) @ Vp[h, lo:]
     if rot is not None:  # the kernels' output is rounded to the query dtype, then rotated back
         return rotation.unrotate(out.to(dtype), rot)
     return out.to(dtype)

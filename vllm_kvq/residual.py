@@ -5,7 +5,9 @@ size). Until its chunk is complete a token lives only in full precision, in its 
 window: rows [rows_per_block, 2, H, D] (16 bits, window_dtype) of a few blocks that vLLM's
 own block manager gives every running request for as long as it runs
 (vllm_kvq.window_cache). Window row j of a sequence is row j % rows_per_block of its block
-j // rows_per_block. Nothing is read from the pages' own bytes to decide validity: a window's
+j // rows_per_block. The plan names rows as (request, window row): layers whose windows sit
+in different KV-cache groups (vLLM splits a model's layers into groups of equal size) have
+different blocks, resolved per group by window_addresses(). Nothing is read from the pages' own bytes to decide validity: a window's
 blocks are not zeroed when a new request receives them.
 
 Per step, `plan()` says for every request:
@@ -34,11 +36,11 @@ class ResidualStateError(RuntimeError):
 class StepPlan:
     staging_pos0: list[int] = field(default_factory=list)    # c0 per request
     staging_start: list[int] = field(default_factory=lambda: [0])  # S+1 row offsets
-    pool_gather: tuple[list[int], list[int], list[int]] = ((), (), ())  # rows, block, row
+    pool_gather: tuple[list[int], list[int], list[int]] = ((), (), ())  # rows, request, wrow
     new_gather: tuple[list[int], list[int]] = ((), ())       # rows, token index
     final_rows: list[int] = field(default_factory=list)      # staging rows -> pages
     final_slots: list[int] = field(default_factory=list)     # their cache slots
-    keep: tuple[list[int], list[int], list[int]] = ((), (), ())  # rows, block, row
+    keep: tuple[list[int], list[int], list[int]] = ((), (), ())  # rows, request, wrow
 
     @property
     def num_staging(self) -> int:
@@ -74,8 +76,9 @@ class ResidualWindows:
     def plan(self, seq_lens: list[int], query_start_loc: list[int], block_table,
              window_blocks) -> StepPlan:
         """block_table: indexable [S][max_blocks] (lists or a 2-D tensor); window_blocks:
-        [S][num_blocks], each request's window blocks."""
-        R, B, rows = self.R, self.B, self.rows
+        [S][num_blocks], each request's window blocks (of one layer: they identify the
+        request's window; all its layers' windows are claimed and freed together)."""
+        R, B = self.R, self.B
         p = StepPlan()
         pg_rows, pg_blk, pg_brow = [], [], []
         nw_rows, nw_tok = [], []
@@ -119,8 +122,8 @@ class ResidualWindows:
             if rec is not None:
                 for i in range(need):
                     pg_rows.append(base + i)
-                    pg_blk.append(win[i // rows])
-                    pg_brow.append(i % rows)
+                    pg_blk.append(s)
+                    pg_brow.append(i)
             row += need
             for i in range(q):
                 nw_rows.append(row + i)
@@ -134,8 +137,8 @@ class ResidualWindows:
             for pos in range(max(c1, L_prev), L):
                 j = pos - c1
                 kp_rows.append(base + pos - c0)
-                kp_blk.append(win[j // rows])
-                kp_brow.append(j % rows)
+                kp_blk.append(s)
+                kp_brow.append(j)
             updates.append((win, _Record(win, int(blocks[(L - 1) // B]), c1, L - c1)))
         for win, rec in updates:
             self.records[win[0]] = rec
@@ -168,25 +171,36 @@ def plan_tensors(plan: StepPlan, device) -> dict:
                 keep=tuple(t(x) for x in plan.keep))
 
 
+def window_addresses(md, blocks: torch.Tensor, rows_per_block: int) -> tuple:
+    """(gather, keep) of md's plan as (block, row) index tensors into one group's window
+    rows; blocks [S, window_blocks]: that group's window blocks per request."""
+    def at(req, wrow):
+        return blocks[req, wrow // rows_per_block].long(), wrow % rows_per_block
+
+    return at(*md.pool_gather[1:]), at(*md.keep[1:])
+
+
 def stage_and_write(md, key: torch.Tensor, value: torch.Tensor, pool: torch.Tensor,
-                    write) -> tuple[torch.Tensor, torch.Tensor]:
+                    addresses: tuple, write) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's step: build staging, quantize completed chunks, keep the rest.
 
     md: anything with the attributes of plan_tensors() plus `plan`; pool: the window rows
-    [num_blocks, rows_per_block, 2, H, D]; write(k_rows, v_rows, cache_slots) quantizes rows
-    into the pages. Returns staging (K, V) [Ns, H, D] for the attention kernel.
+    [num_blocks, rows_per_block, 2, H, D]; addresses: window_addresses() for this layer's
+    group; write(k_rows, v_rows, cache_slots) quantizes rows into the pages. Returns staging
+    (K, V) [Ns, H, D] for the attention kernel.
     """
     H, D = key.shape[1:]
+    (g_blk, g_row), (k_blk, k_row) = addresses
     st = torch.empty(2, md.plan.num_staging, H, D, dtype=key.dtype, device=key.device)
-    rows, blk, brow = md.pool_gather
+    rows = md.pool_gather[0]
     if rows.numel():
-        st[:, rows] = pool[blk, brow].transpose(0, 1).to(st.dtype)
+        st[:, rows] = pool[g_blk, g_row].transpose(0, 1).to(st.dtype)
     rows, tok = md.new_gather
     st[0, rows] = key[tok]
     st[1, rows] = value[tok]
     if md.final_rows.numel():
         write(st[0, md.final_rows], st[1, md.final_rows], md.final_slots)
-    rows, blk, brow = md.keep
+    rows = md.keep[0]
     if rows.numel():
-        pool[blk, brow] = st[:, rows].transpose(0, 1).to(pool.dtype)
+        pool[k_blk, k_row] = st[:, rows].transpose(0, 1).to(pool.dtype)
     return st[0], st[1]

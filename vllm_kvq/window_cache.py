@@ -14,7 +14,7 @@ vllm_kvq.residual plans which rows each step reads and writes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from vllm.v1.kv_cache_interface import CircularBufferSpec, KVCacheLayout
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
 from vllm_kvq.formats import KVFormat
+from vllm_kvq.residual import window_addresses
 
 WINDOW_SUFFIX = ".kvq_window"
 
@@ -77,6 +78,15 @@ _register()
 @dataclass
 class KVQWindowMetadata:
     blocks: torch.Tensor  # int32 [S, window_blocks]: each request's window blocks
+    # per step, the window plan of each quantized layer group (keyed by its metadata object)
+    # as (block, row) addresses in this group's blocks, resolved once
+    addresses: dict = field(default_factory=dict)
+
+    def addresses_of(self, md, rows_per_block: int) -> tuple:
+        got = self.addresses.get(id(md))
+        if got is None:
+            got = self.addresses[id(md)] = window_addresses(md, self.blocks, rows_per_block)
+        return got
 
 
 class KVQWindowBuilder(AttentionMetadataBuilder[KVQWindowMetadata]):
@@ -136,6 +146,7 @@ class KVQWindowLayer(nn.Module, AttentionLayerBase):
         self.window_dtype = window_dtype
         self.kv_cache = torch.tensor([])
         self.rows: torch.Tensor | None = None  # [num_blocks, rows_per_block, 2, H, D]
+        self.rows_per_block = 0
 
     def get_attn_backend(self) -> type[AttentionBackend]:
         return KVQWindowBackend
@@ -161,7 +172,7 @@ class KVQWindowLayer(nn.Module, AttentionLayerBase):
             raise ValueError("vllm-kvq: a window block's page must be one dense span "
                              f"(got strides {kv_cache.stride()})")
         D = self.head_size
-        rows = self.fmt.window_rows_per_block(D, B, self.elem_bytes)
+        rows = self.rows_per_block = self.fmt.window_rows_per_block(D, B, self.elem_bytes)
         row_bytes = 2 * H * D * self.elem_bytes
         flat = torch.as_strided(kv_cache, (nb, rows * row_bytes), (kv_cache.stride(0), 1))
         self.rows = flat.view(self.window_dtype).view(nb, rows, 2, H, D)

@@ -100,10 +100,10 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const at::Tensor& query_start_loc, const at::Tensor& staging_k,
                      const at::Tensor& staging_v, const at::Tensor& staging_start_loc,
                      const at::Tensor& staging_pos0, int64_t residual_chunk,
-                     double softmax_scale, const std::vector<int64_t>& k_codec,
-                     const std::vector<int64_t>& v_codec, const at::Tensor& k_scale,
-                     const at::Tensor& v_scale, const at::Tensor& k_levels,
-                     const at::Tensor& v_levels) {
+                     int64_t sliding_window, double softmax_scale,
+                     const std::vector<int64_t>& k_codec, const std::vector<int64_t>& v_codec,
+                     const at::Tensor& k_scale, const at::Tensor& v_scale,
+                     const at::Tensor& k_levels, const at::Tensor& v_levels) {
   const kvq::Codec kc = to_codec(k_codec, "k_codec"), vc = to_codec(v_codec, "v_codec");
   TORCH_CHECK(query.dim() == 3, "query must be [T, Hq, D]");
   TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
@@ -129,6 +129,11 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
               "each (block, kv_head) plane of the cache must be contiguous");
   const int R = (int)residual_chunk;
   TORCH_CHECK(R >= 1, "residual_chunk ", R, " must be >= 1");
+  TORCH_CHECK(sliding_window >= 0 && sliding_window <= INT32_MAX, "sliding_window ",
+              sliding_window, " must be >= 0 (0: none)");
+  const int W = (int)sliding_window;
+  // staging holds the last < R positions of a query, which must all be inside its window
+  TORCH_CHECK(W == 0 || R <= W, "residual_chunk ", R, " must not exceed sliding_window ", W);
   const int32_t qdt = dtype_of(query, "query");
 
   const std::vector<int32_t> sl = to_i32(seq_lens, "seq_lens");
@@ -222,7 +227,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
       for (int h = 0; h < H; ++h) {
         AttnTask t{};
         t.s = s; t.h = h; t.tok0 = q0 + i0; t.nq = n; t.pos0 = first + i0;
-        t.kbeg = 0; t.kend = Fl;
+        // a window's first key for the tile's first query (the others start later: masked)
+        t.kbeg = W ? std::min(Fl, std::max(0, first + i0 - W + 1)) : 0;
+        t.kend = Fl;
         t.staging = tlo < thi ? 1 : 0;
         t.stg_base = stg_base;
         t.part = -1;
@@ -285,7 +292,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     P.sv_st = staging_v.stride(0); P.sv_sh = staging_v.stride(1);
   }
   P.s_dtype = sdt;
-  P.Hq = Hq; P.H = H; P.D = D; P.B = B; P.R = R; P.gq = gq;
+  P.Hq = Hq; P.H = H; P.D = D; P.B = B; P.R = R; P.gq = gq; P.window = W;
   P.scale_log2 = (float)(softmax_scale * 1.4426950408889634);
   P.kc = kc; P.vc = vc; P.lay = lay;
   P.k_scale = ks.data(); P.v_scale = vs.data();

@@ -1093,7 +1093,8 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
       left -= cnt;
     }
     for (int m = 0; m < M; ++m) {
-      lo[m] = 0;
+      // a decode's window starts at kbeg (lo = 0); prefill rows start later, one by one
+      lo[m] = P.window ? iclamp(pq[m / gq] - P.window + 1 - jt0, 0, nt) : 0;
       hi[m] = iclamp(Fq[m / gq] - jt0, 0, nt);
     }
     if (iqk && ichn) {

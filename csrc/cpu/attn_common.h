@@ -33,6 +33,7 @@ struct AttnParams {
   int64_t sk_st, sk_sh, sv_st, sv_sh;  // element strides
   int32_t s_dtype;
   int32_t Hq, H, D, B, R, gq;
+  int32_t window;           // sliding window W (0: none): a query at p reads keys > p - W
   float scale_log2;         // softmax_scale * log2(e): logits live in the log2 domain
   kvq::Codec kc, vc;
   kvq::Layout lay;
@@ -53,7 +54,8 @@ struct AttnTask {
   int32_t tok0;       // first query row
   int32_t nq;         // query tokens
   int32_t pos0;       // absolute position of the first query token
-  int32_t kbeg, kend; // paged key positions covered (kend <= F of the last query)
+  int32_t kbeg, kend; // paged key positions covered (kend <= F of the last query; with a
+                      // sliding window kbeg is the first query's first key)
   int32_t staging;    // 1: also read staging positions [F(pos0+1), pos0+nq-1]
   int32_t decode;     // 1: the sequence's only query this step; only decodes may take the
                       // int8-query Q.K, so a prefill chunk computes what a whole prefill does

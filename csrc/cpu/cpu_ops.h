@@ -16,15 +16,16 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& cac
 // out/query: [T, Hq, D]; block_table int32 [S, max_blocks]; seq_lens int32 [S];
 // query_start_loc int32 [S+1]; staging_k/v [Ns, H, D] (dtype of query);
 // staging_start_loc int32 [S+1]; staging_pos0 int32 [S]; k_levels/v_levels as write_cache.
+// sliding_window W > 0: a query at position p sees keys (p - W, p] only (vLLM's convention).
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& cache,
                      const at::Tensor& block_table, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, const at::Tensor& staging_k,
                      const at::Tensor& staging_v, const at::Tensor& staging_start_loc,
                      const at::Tensor& staging_pos0, int64_t residual_chunk,
-                     double softmax_scale, const std::vector<int64_t>& k_codec,
-                     const std::vector<int64_t>& v_codec, const at::Tensor& k_scale,
-                     const at::Tensor& v_scale, const at::Tensor& k_levels,
-                     const at::Tensor& v_levels);
+                     int64_t sliding_window, double softmax_scale,
+                     const std::vector<int64_t>& k_codec, const std::vector<int64_t>& v_codec,
+                     const at::Tensor& k_scale, const at::Tensor& v_scale,
+                     const at::Tensor& k_levels, const at::Tensor& v_levels);
 
 // One sequence's K and V, positions [0, num_tokens), from the pages of block_row (int32
 // [>= ceil(num_tokens / block_size)]) into out_k / out_v [H, >= num_tokens, D] (float32,

@@ -60,7 +60,8 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                      const at::Tensor& query_start_loc, const at::Tensor& staging_k,
                      const at::Tensor& staging_v, const at::Tensor& staging_start_loc,
                      const at::Tensor& staging_pos0, int64_t residual_chunk,
-                     double softmax_scale, c10::IntArrayRef k_codec, c10::IntArrayRef v_codec,
+                     int64_t sliding_window, double softmax_scale, c10::IntArrayRef k_codec,
+                     c10::IntArrayRef v_codec,
                      const at::Tensor& k_scale, const at::Tensor& v_scale,
                      const at::Tensor& /*k_levels*/, const at::Tensor& /*v_levels*/) {
   TORCH_CHECK(cache.is_cuda(), "vllm_kvq.paged_attention (CUDA): cache must be a CUDA tensor");
@@ -68,7 +69,8 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   AttnPlan plan;
   AttnParams p = make_attn_params(out, query, cache, block_table, seq_lens, query_start_loc,
                                   staging_k, staging_v, staging_start_loc, staging_pos0,
-                                  residual_chunk, softmax_scale, k_codec, v_codec, k_scale,
+                                  residual_chunk, sliding_window, softmax_scale, k_codec,
+                                  v_codec, k_scale,
                                   v_scale, num_sms(cache.device().index()), false, 0, &plan);
   at::Tensor ws = at::empty({(int64_t)plan.workspace_bytes()}, cache.options().dtype(at::kByte));
   set_workspace(p, plan, ws.data_ptr());

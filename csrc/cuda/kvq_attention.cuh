@@ -9,7 +9,8 @@
 // dequantizes the chunk (any codec, kvq_numeric.h rules) into fp32, then each row takes
 // dot products (8-lane shuffles), an online softmax and the PV update in registers.
 // Residual staging: pass A reads positions < F(p+1) from the pages, pass B positions in
-// [F(p+1), p] from the staging tensors (per row masks), one softmax over both.
+// [F(p+1), p] from the staging tensors (per row masks), one softmax over both. A sliding
+// window W starts pass A at the tile's first key and masks each row's keys <= p - W.
 #pragma once
 #include "kvq_cuda_common.cuh"
 
@@ -108,7 +109,8 @@ __global__ void __launch_bounds__(128, 1) generic_attn_kernel(AttnParams p) {
 
   for (int pass = 0; pass < 2; ++pass) {
     // pass 0: pages [0, F_hi); pass 1: staging [max(F_lo, pos0), p_hi]
-    const int k_begin = pass == 0 ? 0 : (F_lo > pos0 ? F_lo : pos0);
+    const int w_lo = p.window && p_lo - p.window + 1 > 0 ? p_lo - p.window + 1 : 0;
+    const int k_begin = pass == 0 ? w_lo : (F_lo > pos0 ? F_lo : pos0);
     const int k_end = pass == 0 ? F_hi : (R > 1 ? p_hi + 1 : 0);
     for (int kb = k_begin; kb < k_end; kb += KC) {
       __syncthreads();  // the previous chunk is consumed
@@ -142,7 +144,7 @@ __global__ void __launch_bounds__(128, 1) generic_attn_kernel(AttnParams p) {
         part += shfl_xor(part, 2);
         part += shfl_xor(part, 4);
         const int jp = kb + kk;
-        const bool ok = valid && jp < k_end &&
+        const bool ok = valid && jp < k_end && (p.window == 0 || jp > pos - p.window) &&
                         (pass == 0 ? jp < Fr : (jp >= Fr && jp <= pos));
         sc[kk] = ok ? part : -INFINITY;
         mx = fmaxf(mx, sc[kk]);

@@ -60,6 +60,7 @@ struct AttnParams {
   const int32_t* ssl;    // staging_start_loc [S+1]
   const int32_t* spos0;  // staging_pos0 [S]
   int32_t R;             // residual chunk (1 = no staging)
+  int32_t window;        // sliding window W (0: none): a query at p sees keys (p - W, p]
   float scale_log2;      // softmax_scale * log2(e)
   Side side[2];
   // split-KV decode (kvq_decode.cuh)

@@ -132,7 +132,8 @@ inline std::string plan_attention(AttnParams& p, int kind_k, int kind_v, int num
                                   bool force_generic, AttnPlan* plan) {
   plan->generic = generic_fn(p.D);
   if (!plan->generic) return "head_dim " + std::to_string(p.D) + " is not supported";
-  plan->decode = force_generic ? nullptr : decode_fn(p.D, kind_k, kind_v);
+  // sliding-window layers take the generic kernel (it masks per row)
+  plan->decode = force_generic || p.window ? nullptr : decode_fn(p.D, kind_k, kind_v);
   p.decode_fast = plan->decode != nullptr;
   // generic tiles: up to 16 rows of (query, head)
   p.gen_heads = p.G < 16 ? p.G : 16;

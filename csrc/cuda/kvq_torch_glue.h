@@ -95,7 +95,8 @@ inline WriteParams make_write_params(const at::Tensor& key, const at::Tensor& va
 inline AttnParams make_attn_params(at::Tensor& out, const at::Tensor& q, const at::Tensor& cache,
                                    const at::Tensor& bt, const at::Tensor& seq_lens, const at::Tensor& qsl,
                                    const at::Tensor& sk, const at::Tensor& sv, const at::Tensor& ssl,
-                                   const at::Tensor& sp0, int64_t R, double softmax_scale,
+                                   const at::Tensor& sp0, int64_t R, int64_t window,
+                                   double softmax_scale,
                                    c10::IntArrayRef kcv, c10::IntArrayRef vcv, const at::Tensor& k_scale,
                                    const at::Tensor& v_scale, int num_sms, bool force_generic,
                                    int part_tokens_override, AttnPlan* plan) {
@@ -114,6 +115,8 @@ inline AttnParams make_attn_params(at::Tensor& out, const at::Tensor& q, const a
   TORCH_CHECK(bt.size(0) >= S, op, ": block_table has fewer rows than seq_lens");
   TORCH_CHECK(qsl.scalar_type() == at::kInt && qsl.is_contiguous() && qsl.numel() == S + 1, op, ": query_start_loc must be contiguous int32 [S+1]");
   TORCH_CHECK(R >= 1, op, ": residual_chunk must be >= 1");
+  TORCH_CHECK(window >= 0 && (window == 0 || R <= window), op, ": sliding_window ", window,
+              " must be 0 (none) or >= residual_chunk ", R);
   for (const at::Tensor* t : {(const at::Tensor*)&out, &q, &bt, &seq_lens, &qsl})
     check_same_device(*t, cache, "an attention input");
   AttnParams p{};
@@ -133,6 +136,7 @@ inline AttnParams make_attn_params(at::Tensor& out, const at::Tensor& q, const a
   p.qsl = qsl.data_ptr<int32_t>();
   p.S = (int32_t)S; p.T = (int32_t)T;
   p.R = (int32_t)R;
+  p.window = (int32_t)window;
   if (R > 1) {
     TORCH_CHECK(sk.dim() == 3 && sv.sizes() == sk.sizes() && sk.size(1) == H && sk.size(2) == D &&
                     sk.stride(2) == 1 && sv.stride(2) == 1,

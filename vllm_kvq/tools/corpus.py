@@ -65,13 +65,17 @@ def token_windows(tokenizer, n_windows: int, window: int, seed: int = 0,
 
 def windows_from(files: list[Path], tokenizer, n_windows: int, window: int,
                  rng: random.Random) -> list[list[int]]:
-    """One window of `window` tokens per file, in order, at an offset drawn from rng."""
+    """One window of `window` tokens per file, in order, at an offset drawn from rng. A
+    tokenizer that starts every text with special tokens (Gemma's <bos>: without it the
+    model babbles) gets them at the start of each window too."""
     out = []
+    head = tokenizer.encode("", add_special_tokens=True)
+    n = window - len(head)
     for f in files:
         ids = tokenizer.encode(f.read_text(encoding="utf-8"), add_special_tokens=False)
         if len(ids) >= window + 64:
             start = rng.randrange(0, len(ids) - window)
-            out.append(ids[start:start + window])
+            out.append(head + ids[start:start + n])
         if len(out) == n_windows:
             return out
     raise ValueError(f"the corpus has only {len(out)} speeches of >= {window} tokens")
