@@ -68,9 +68,9 @@ case "$step" in
     fi
     ;;
   model)
-    say "preparing the default model"
+    say "preparing model ${1:-smollm2}"
     # `python -m` from the repo root finds vllm_kvq even before the package is installed.
-    "$py" -m vllm_kvq.model_prep
+    "$py" -m vllm_kvq.model_prep "${1:-smollm2}"
     ;;
   check)
     # Run outside the source tree, so the installed package is what gets imported.

@@ -38,5 +38,7 @@ fi
 log "preparing the default model"
 model_dir="$(install model)"
 log "model: $model_dir"
+log "preparing the second model (Gemma 3 270M: sliding-window layers; the tests use it)"
+log "model: $(install model gemma3)"
 log "done"
 log "venv: $KVQ_VENV"

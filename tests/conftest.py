@@ -71,3 +71,13 @@ def servers():
             return started[method, model]
 
         yield get
+
+
+def assert_within(cmp: dict, bounds: tuple, min_positions: int = 0) -> None:
+    """A comparison (vllm_kvq.tools.evaluate.compare_runs) within (max mean KL, min
+    confident agreement, max |ppl change|)."""
+    max_kl, min_agree, max_ppl = bounds
+    assert cmp["positions"] >= min_positions, cmp
+    assert cmp["mean_kl"] <= max_kl, cmp
+    assert cmp["agreement_confident"] >= min_agree, cmp
+    assert abs(cmp["ppl_change"]) <= max_ppl, cmp

@@ -7,6 +7,7 @@ sliding window, so its layers drop the oldest keys within every window.
 import json
 
 import pytest
+from conftest import assert_within
 from conftest import run_engine as run
 
 from vllm_kvq.formats import parse_format
@@ -32,11 +33,7 @@ def test_our_bf16_is_vllm_bf16_on_gemma3():
                                                                  json.dumps(GEMMA))
     cmp = compare_runs(theirs, ours)
     print(json.dumps(cmp))
-    max_kl, min_agree, max_ppl = BF16_PARITY
-    assert cmp["positions"] >= 2000
-    assert cmp["mean_kl"] <= max_kl, cmp
-    assert cmp["agreement_confident"] >= min_agree, cmp
-    assert abs(cmp["ppl_change"]) <= max_ppl, cmp
+    assert_within(cmp, BF16_PARITY, min_positions=2000)
     # vLLM's fp32 cache holds half the tokens of our bf16 one in the same budget
     assert ours["capacity_tokens"] / theirs["capacity_tokens"] == pytest.approx(2.0, rel=0.02)
 
@@ -46,10 +43,27 @@ def test_kivi2_on_gemma3_quality_and_capacity():
                                                                json.dumps(GEMMA))
     cmp = compare_runs(base, kivi)
     print(json.dumps(cmp))
-    max_kl, min_agree, max_ppl = KIVI2_QUALITY
-    assert cmp["mean_kl"] <= max_kl, cmp
-    assert cmp["agreement_confident"] >= min_agree, cmp
-    assert abs(cmp["ppl_change"]) <= max_ppl, cmp
+    assert_within(cmp, KIVI2_QUALITY, min_positions=2000)
     # vLLM's block count at vLLM's default max_num_seqs: the layout's ratio, window included
     assert kivi["capacity_tokens"] / base["capacity_tokens"] == pytest.approx(
         parse_format("kivi2").ratio_vs_bf16(HEAD_DIM, 128), rel=0.02)
+
+
+# Tensor parallel 2 (two CPU workers, one core each): Gemma 3's single kv head is replicated
+# on both ranks, its 4 query heads split 2 + 2. Measured (kivi2): KL 0.0015 against the
+# one-worker run (the format's own KL vs bf16: 0.065; the difference is float noise that
+# reaches kivi2's rounding, as with prefill chunk sizes), 99.9% confident agreement, the
+# same capacity per rank.
+TP2 = {**GEMMA, "tensor_parallel_size": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
+
+
+def test_tensor_parallel_2_on_gemma3_reads_the_same_cache():
+    one, two = run("quality", "kivi2", json.dumps(GEMMA)), run("quality", "kivi2",
+                                                              json.dumps(TP2))
+    cmp = compare_runs(one, two)
+    own_error = compare_runs(run("quality", "bf16", json.dumps(GEMMA)), one)["mean_kl"]
+    print(json.dumps({"tp2_vs_one": cmp, "format_kl": own_error}))
+    assert cmp["agreement_confident"] >= 0.995, cmp
+    assert cmp["mean_kl"] < 0.1 * own_error, (cmp, own_error)
+    # each rank holds the replicated kv head's pages: the same tokens as one worker
+    assert two["capacity_tokens"] == pytest.approx(one["capacity_tokens"], rel=0.02)
