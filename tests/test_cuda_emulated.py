@@ -194,7 +194,7 @@ def test_sliding_window(emu, name, D, W):
     window are another sequence's (vLLM's null block)."""
     fmt = parse_format(name)
     Hq, H = (4, 1) if D == 256 else (6, 2)
-    c = attention_case(fmt, D, Hq, H, _block(fmt), [1, 100, 1, 600], [899, 320, 129, 0],
+    c = attention_case(fmt, D, Hq, H, _block(fmt), [1, 24, 1], [899, 500, 129],
                        torch.bfloat16, 4, spare_blocks=2, window=W)
     assert (c["bt"][0, :2] == 0).all()
     got = _run(emu, fmt, c)

@@ -18,7 +18,7 @@ from vllm_kvq.formats import parse_format
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[1]
 DOCKERFILES = [ROOT / "Dockerfile", ROOT / "serving" / "Dockerfile.cpu"]
-METHOD = "int4_group32"
+METHOD = "kivi2"
 # SmolLM2-135M: 30 layers x 3 KV heads, head_dim 64 (see /kvq/config's own figures)
 LAYERS, KV_HEADS, HEAD_DIM = 30, 3, 64
 
@@ -31,7 +31,7 @@ def exe(name: str) -> str | None:
 
 @pytest.fixture(scope="module")
 def live(servers):
-    return servers(METHOD)  # the same server as test_openai_server's int4_group32 one
+    return servers(METHOD)  # the same server as test_openai_server's kivi2 one
 
 
 def test_short_locust_session_has_no_failures(live, tmp_path):
@@ -65,17 +65,20 @@ def test_kv_gauges_and_config_route(live):
     assert cfg["method"] == METHOD and cfg["backend"] == "vllm_kvq"
     assert (cfg["num_layers"], cfg["num_kv_heads"], cfg["head_dim"]) == (LAYERS, KV_HEADS,
                                                                          HEAD_DIM)
-    assert cfg["bytes_per_token"] == per_token == 7200  # 80 B per token per head
-    assert cfg["ratio_vs_bf16"] == pytest.approx(3.2)
-    assert cfg["bits_per_value"] == pytest.approx(5.0)
-    assert cfg["residual_tokens"] == 0
+    assert cfg["bytes_per_token"] == per_token == 4320  # 48 B per token per head
+    assert cfg["ratio_vs_bf16"] == pytest.approx(16 / 3)
+    assert cfg["bits_per_value"] == pytest.approx(3.0)
+    assert cfg["residual_tokens"] == 128
+    # the window: 6 blocks of the pool per running sequence (csrc/kvq_layout.h)
+    assert cfg["window_bytes_per_seq"] == 6 * cfg["block_size"] * per_token
     assert cfg["capacity_tokens"] == cfg["num_blocks"] * cfg["block_size"] > 0
-    # the budget (256 MiB, see serve_process.server) is what sizes the pages
+    # the budget (256 MiB, see serve_process.server) sizes the pages, windows included
     assert cfg["num_blocks"] == (256 << 20) // (per_token * cfg["block_size"])
     metrics = httpx.get(f"{live}/metrics", timeout=10).text
-    want = {"kvq:bits_per_value": 5.0, "kvq:bytes_per_token": 7200.0,
-            "kvq:ratio_vs_bf16": 3.2, "kvq:residual_tokens": 0.0,
-            "kvq:capacity_tokens": float(cfg["capacity_tokens"])}
+    want = {"kvq:bits_per_value": 3.0, "kvq:bytes_per_token": 4320.0,
+            "kvq:ratio_vs_bf16": 16 / 3, "kvq:residual_tokens": 128.0,
+            "kvq:capacity_tokens": float(cfg["capacity_tokens"]),
+            "kvq:window_bytes_per_seq": float(cfg["window_bytes_per_seq"])}
     for name, value in want.items():
         m = re.search(rf'^{re.escape(name)}\{{method="{METHOD}"\}} (\S+)$', metrics, re.M)
         assert m, f"{name} missing from /metrics"
