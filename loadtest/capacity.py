@@ -40,7 +40,7 @@ PEERS = {"vllm": [], "vllm-fp8": ["--kv-cache-dtype", "fp8"]}  # vLLM's own cach
 POLLED = ("vllm:num_requests_running", "vllm:num_requests_waiting",
           "vllm:num_preemptions_total", "vllm:kv_cache_usage_perc")
 COLUMNS = ["method", "status", "bytes_per_token", "ratio_vs_bf16", "residual_tokens",
-           "residual_pool_mib", "capacity_tokens", "peak_running", "peak_vs_bf16",
+           "window_mib_per_seq", "capacity_tokens", "peak_running", "peak_vs_bf16",
            "peak_waiting", "preemptions", "requests_ok", "failures", "requests_per_s",
            "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
            "note"]
@@ -232,7 +232,7 @@ def measure(method: str, model: str, args, workdir: Path) -> dict:
         row.update(status="ok", bytes_per_token=cfg["bytes_per_token"],
                    ratio_vs_bf16=cfg["ratio_vs_bf16"],
                    residual_tokens=cfg["residual_tokens"],
-                   residual_pool_mib=cfg["residual_pool_bytes"] / 2**20,
+                   window_mib_per_seq=cfg["window_bytes_per_seq"] / 2**20,
                    capacity_tokens=cfg["capacity_tokens"], note="")
         row.update(run_load(method, base, api_key, args, workdir))
     finally:
@@ -263,12 +263,12 @@ def write_reports(rows: list[dict], args, out: Path) -> None:
         for r in rows:
             w.writerow({k: r.get(k) for k in COLUMNS})
     setup = (f"Model {Path(args.model_name).name} ({args.dtype}), KV budget "
-             f"{args.kv_budget / 2**20:.0f} MiB (residual window included), max_num_seqs "
+             f"{args.kv_budget / 2**20:.0f} MiB (running sequences' windows included), max_num_seqs "
              f"{args.max_num_seqs}, max_model_len {args.max_model_len}, prompts "
              f"{args.prompt_min}-{args.prompt_max} tokens of real text + {args.max_tokens} "
              f"output tokens (ignore_eos), {args.users} locust users ramped at "
              f"{args.spawn_rate}/s for {args.run_time} s, mix {args.mix}, prefix caching off.")
-    shown = ["method", "status", "bytes_per_token", "ratio_vs_bf16", "residual_pool_mib",
+    shown = ["method", "status", "bytes_per_token", "ratio_vs_bf16", "window_mib_per_seq",
              "capacity_tokens", "peak_running", "peak_vs_bf16", "peak_waiting", "preemptions",
              "requests_ok", "failures", "requests_per_s", "output_tokens_per_s",
              "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s"]
@@ -332,7 +332,7 @@ def main(argv=None) -> int:
                    help="model dtype (float32: these CPUs lack AVX512-BF16)")
     # 20 pages of 128 bf16 tokens (30 layers x 3 KV heads x 64 x K,V x 2 B = 23040 B/token)
     p.add_argument("--kv-budget", type=int, default=20 * 128 * 23040,
-                   help="bytes, the residual window's pool included")
+                   help="bytes; running sequences' residual windows take their blocks from it")
     p.add_argument("--max-num-seqs", type=int, default=4)
     p.add_argument("--tensor-parallel-size", type=int, default=1)
     p.add_argument("--pipeline-parallel-size", type=int, default=1,
