@@ -30,7 +30,7 @@ from vllm.forward_context import get_forward_context
 from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionLayer,
                                        AttentionMetadataBuilder, AttentionType,
                                        CommonAttentionMetadata, MultipleOf)
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, SlidingWindowSpec
 
 from vllm_kvq import ops, prefill
 from vllm_kvq.config import KVQConfig, config_from_vllm, layer_index, model_levels
@@ -127,11 +127,12 @@ class KVQMetadata:
     # decodes / short chunks first (reorder_batch_threshold), long prefills after them on
     # the flash path (vllm_kvq.prefill); None: the paged kernel for the whole batch
     split: prefill.Split | None = None
+    # a sequence of this step takes the flash path (set by the builder; split made with it)
+    flash: bool = False
 
-    def plan_window(self, window: KVQWindowMetadata, device, flash: bool) -> None:
+    def plan_window(self, window: KVQWindowMetadata, device) -> None:
         """This step's window plan. Made by the first layer that runs the step: it needs each
         request's window blocks, which the window group's builder holds."""
-        S = self.seq_lens.shape[0]
         qsl = self.query_start_loc.tolist()
         seq_lens = self.seq_lens.tolist()
         plan = self.windows.plan(seq_lens, qsl, self.block_table.tolist(),
@@ -139,7 +140,7 @@ class KVQMetadata:
         self.plan = plan
         for name, value in plan_tensors(plan, device).items():
             setattr(self, name, value)
-        if flash and max(qsl[s + 1] - qsl[s] for s in range(S)) >= prefill.PREFILL_MIN_QUERY:
+        if self.flash:
             self.split = prefill.plan(qsl, seq_lens, plan.staging_start, plan.staging_pos0)
 
 
@@ -156,6 +157,11 @@ class KVQMetadataBuilder(AttentionMetadataBuilder[KVQMetadata]):
         fmt, B = self.config.fmt, kv_cache_spec.block_size
         self.windows = (ResidualWindows(fmt.residual_chunk, B, fmt.window_rows_per_block(
             kv_cache_spec.head_size, B, WINDOW_BYTES)) if fmt.residual_tokens else None)
+        # Chunks of >= PREFILL_MIN_QUERY queries take the flash path (vllm_kvq.prefill) on the
+        # CPU unless KVQ_FLASH_PREFILL=0; decodes and short chunks stay on the paged kernel,
+        # and so do all of a sliding-window layer's (the kernel masks per row).
+        self.flash = (device.type == "cpu" and prefill.FLASH_PREFILL
+                      and not isinstance(kv_cache_spec, SlidingWindowSpec))
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KVQMetadata:
@@ -165,18 +171,12 @@ class KVQMetadataBuilder(AttentionMetadataBuilder[KVQMetadata]):
                          query_start_loc=cam.query_start_loc[:S + 1],
                          seq_lens=cam.seq_lens[:S],
                          block_table=cam.block_table_tensor[:S],
-                         slot_mapping=cam.slot_mapping, windows=self.windows)
-        if (self.windows is None and flash_prefill_on(self.device)
-                and cam.max_query_len >= prefill.PREFILL_MIN_QUERY):
+                         slot_mapping=cam.slot_mapping, windows=self.windows,
+                         flash=self.flash and cam.max_query_len >= prefill.PREFILL_MIN_QUERY)
+        if md.flash and self.windows is None:  # with a window: made with its plan
             md.split = prefill.plan(cam.query_start_loc_cpu[:S + 1].tolist(),
                                     cam.seq_lens[:S].tolist())
         return md
-
-
-def flash_prefill_on(device: torch.device) -> bool:
-    # Chunks of >= PREFILL_MIN_QUERY queries take the flash path (vllm_kvq.prefill) on the
-    # CPU unless KVQ_FLASH_PREFILL=0; decodes and short chunks stay on the paged kernel.
-    return device.type == "cpu" and prefill.FLASH_PREFILL
 
 
 class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
@@ -266,7 +266,7 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
         else:
             window = get_forward_context().attn_metadata[self.window.layer_name]
             if md.plan is None:
-                md.plan_window(window, query.device, flash_prefill_on(query.device))
+                md.plan_window(window, query.device)
             st_k, st_v = stage_and_write(md, k, v, self.window.rows,
                                          window.addresses_of(md, self.window.rows_per_block),
                                          lambda sk, sv, slots: lops.write(sk, sv, kv_cache,
