@@ -4,8 +4,11 @@ window's masks, equals reference.paged_attention for every codec kind, R 1/32/12
 prefill with context, GQA, D 64/128, fp32 and bf16 queries; mixed batches split between the
 paged kernel (decodes, short chunks) and the flash path."""
 
+import itertools
+
 import pytest
 import torch
+from test_kernels import PATHS, simd
 
 from vllm_kvq import ops, prefill
 from vllm_kvq import reference as ref
@@ -97,7 +100,8 @@ def test_plan_splits_at_the_first_long_sequence():
 
 @pytest.mark.parametrize("name", CODECS)
 def test_dequantize_pages_equals_reference_decode(name):
-    """The op's values are the reference's decoded values, rounded once to the dtype."""
+    """The op's values (the kernel's own tile decode) are the reference's decoded values,
+    rounded once to the dtype, on every SIMD path the CPU has."""
     fmt = parse_format(name)
     D, H, B = 64, 2, 128
     case = case_for(fmt, D, 4, H, B, qlens=[1], ctx=[299], dtype=torch.float32, seed=4)
@@ -111,13 +115,15 @@ def test_dequantize_pages_equals_reference_decode(name):
                for h in range(H)] for j in range((L + B - 1) // B)]
     want = [torch.cat([torch.stack([blk[h][i] for h in range(H)]) for blk in blocks], 1)[:, :L]
             for i in (0, 1)]
-    for dt in (torch.float32, torch.bfloat16, torch.float16):
+    for path, dt in itertools.product(PATHS, (torch.float32, torch.bfloat16, torch.float16)):
         k = torch.zeros(H, L + 5, D, dtype=dt)
         v = torch.zeros(H, L + 5, D, dtype=dt)
-        torch.ops.vllm_kvq.dequantize_pages(case["cache"], row, L, lops.k_codec, lops.v_codec,
-                                            lops.k_scale, lops.v_scale, lops.k_levels,
-                                            lops.v_levels, k, v)
-        assert torch.equal(k[:, :L], want[0].to(dt)) and torch.equal(v[:, :L], want[1].to(dt))
+        with simd(path):
+            torch.ops.vllm_kvq.dequantize_pages(case["cache"], row, L, lops.k_codec,
+                                                lops.v_codec, lops.k_scale, lops.v_scale,
+                                                lops.k_levels, lops.v_levels, k, v)
+        assert torch.equal(k[:, :L], want[0].to(dt)), (path, dt)
+        assert torch.equal(v[:, :L], want[1].to(dt)), (path, dt)
         assert not k[:, L:].any()
 
 

@@ -69,6 +69,18 @@ TaskFn task_fn(Path p) {
   }
 }
 
+}  // namespace
+
+DecodeRowsFn current_decode_rows() {
+  switch (current_path()) {
+    case PATH_AVX512: return kvq_avx512::decode_rows;
+    case PATH_AVX2: return kvq_avx2::decode_rows;
+    default: return kvq_scalar::decode_rows;
+  }
+}
+
+namespace {
+
 int32_t dtype_of(const at::Tensor& t, const char* what) {
   switch (t.scalar_type()) {
     case at::kFloat: return DT_F32;

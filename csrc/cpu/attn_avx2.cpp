@@ -71,6 +71,27 @@ static inline VF ld_bf16(const uint16_t* p) {
   const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
 }
+// W floats -> bf16, round to nearest even, NaN -> 0x7FC0 (torch's cast).
+static inline void st_bf16(uint16_t* p, VF x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(odd, _mm256_set1_epi32(0x7fff))), 16);
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fc0),
+                         _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)));
+  _mm_storeu_si128((__m128i*)p, _mm_packus_epi32(_mm256_castsi256_si128(r),
+                                                 _mm256_extracti128_si256(r, 1)));
+}
+// W floats -> fp16, round to nearest even (overflow -> Inf), NaN -> sign | 0x7E00 (torch's).
+static inline void st_f16(uint16_t* p, VF x) {
+  const __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256i n32 = _mm256_or_si256(
+      _mm256_srli_epi32(_mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32((int)0x80000000u)), 16),
+      _mm256_set1_epi32(0x7e00));
+  const __m128i nan = _mm_packus_epi32(_mm256_castsi256_si128(n32), _mm256_extracti128_si256(n32, 1));
+  const __m256i m32 = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+  const __m128i m = _mm_packs_epi32(_mm256_castsi256_si128(m32), _mm256_extracti128_si256(m32, 1));
+  _mm_storeu_si128((__m128i*)p, _mm_blendv_epi8(h, nan, m));
+}
 static inline VF ld_u8(const uint8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p)));
 }
@@ -212,6 +233,7 @@ static inline void vq8_store(VF x, VF inv, int8_t* dst) {
 #include "attn_body.h"
 
 const TaskFn run_task = &run_task_impl;
+const DecodeRowsFn decode_rows = &decode_rows_impl;
 
 }  // namespace kvq_avx2
 }  // namespace kvq_cpu

@@ -121,6 +121,23 @@ static inline void ld_u2x2(const uint8_t* p, VF& a, VF& b) {
   b = _mm512_cvtepi32_ps(_mm512_and_si512(
       _mm512_srlv_epi32(v, _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6)), m));
 }
+// W floats -> bf16, round to nearest even, NaN -> 0x7FC0 (torch's cast).
+static inline void st_bf16(uint16_t* p, VF x) {
+  const __m512i u = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0x7fc0));
+  _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(r));
+}
+// W floats -> fp16, round to nearest even (overflow -> Inf), NaN -> sign | 0x7E00 (torch's).
+static inline void st_f16(uint16_t* p, VF x) {
+  __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256i nan = _mm512_cvtepi32_epi16(_mm512_or_si512(
+      _mm512_srli_epi32(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32((int)0x80000000u)), 16),
+      _mm512_set1_epi32(0x7e00)));
+  h = _mm256_mask_mov_epi16(h, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), nan);
+  _mm256_storeu_si256((__m256i*)p, h);
+}
 // e4m3 byte s.eeee.mmm -> fp16 s.0eeee.mmm0000000 = value * 2^-8, subnormals included:
 // put the byte in the high half of a 16-bit lane, shift right by one (arithmetic: the sign
 // lands in bits 15 and 14), clear bit 14.
@@ -211,6 +228,7 @@ static inline void vq8_store(VF x, VF inv, int8_t* dst) {
 #include "attn_body.h"
 
 const TaskFn run_task = &run_task_impl;
+const DecodeRowsFn decode_rows = &decode_rows_impl;
 
 }  // namespace kvq_avx512
 }  // namespace kvq_cpu

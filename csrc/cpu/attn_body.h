@@ -1282,3 +1282,39 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
     }
   }
 }
+
+// ---- prefill dequantization (dequant.cpp) ---------------------------------------------------
+// Rows [0, cnt) of one region of a (block, kv head) plane -> rows of `out` (row_stride
+// elements apart, dtype DT_F32 / DT_BF16 / DT_F16), decoded exactly as the scratch path
+// decodes a prefill tile (the kernel's and the reference's fp32 values), then rounded once
+// to nearest even (torch's casts). scratch: decode_scratch_floats(D) floats.
+static void decode_rows_impl(const kvq::Codec& c, const kvq::Region& r, const uint8_t* plane,
+                             int cnt, int D, float st, const float* levels, float* scratch,
+                             void* out, int32_t dtype, int64_t row_stride) {
+  TileBufs tb;
+  tb.s = scratch;
+  tb.z = tb.s + (size_t)TT * (D / 16);
+  tb.cs = tb.z + (size_t)TT * (D / 16);
+  tb.cz = tb.cs + (size_t)4 * D;
+  tb.u8 = (uint8_t*)(tb.cz + (size_t)4 * D);
+  tb.f32 = (float*)(tb.u8 + (size_t)TT * D);
+  tb.lut = tb.f32 + (size_t)TT * D;
+  float* rows = tb.lut + (size_t)16 * D;  // one tile's values, fp32
+  TileSrc ts;
+  ts.gshift = 30;
+  for (int t0 = 0; t0 < cnt; t0 += TT) {
+    const int n = imin(TT, cnt - t0);
+    int nch_rows = 0;
+    prep_segment(c, r, plane, t0, n, 0, D, st, tb, nch_rows, ts, -1, levels, false);
+    float* dst = dtype == DT_F32 ? (float*)out + (int64_t)t0 * row_stride : rows;
+    const bool dense = dtype == DT_F32 && row_stride == D;
+    with_kind(c, false, [&](auto k) { decode_tile_kind(k, ts, n, D, dense ? dst : rows); });
+    for (int t = 0; t < n && !dense; ++t) {
+      const float* src = rows + (int64_t)t * D;
+      const int64_t o = (int64_t)(t0 + t) * row_stride;
+      if (dtype == DT_F32) memcpy((float*)out + o, src, sizeof(float) * D);
+      else if (dtype == DT_BF16) for (int d = 0; d < D; d += W) st_bf16((uint16_t*)out + o + d, vload(src + d));
+      else for (int d = 0; d < D; d += W) st_f16((uint16_t*)out + o + d, vload(src + d));
+    }
+  }
+}

@@ -78,6 +78,18 @@ inline size_t scratch_floats(int max_rows, int D) {
 
 using TaskFn = void (*)(const AttnParams&, const AttnTask&, float* scratch);
 
+// Rows [0, cnt) of one region of a (block, kv head) plane -> rows of `out` (DType, rows
+// row_stride elements apart), as the kernel decodes them, rounded once to nearest even
+// (attn_body.h decode_rows_impl; dequant.cpp's prefill pages).
+using DecodeRowsFn = void (*)(const kvq::Codec& c, const kvq::Region& r, const uint8_t* plane,
+                              int cnt, int D, float static_scale, const float* levels,
+                              float* scratch, void* out, int32_t dtype, int64_t row_stride);
+inline size_t decode_scratch_floats(int D) {
+  const size_t TT = kTileTokens;
+  return 2 * TT * (D / 16) + 8 * (size_t)D + TT * D / 4 + 2 * TT * D + 16 * (size_t)D + 64;
+}
+DecodeRowsFn current_decode_rows();  // attention.cpp: the SIMD path of this call
+
 // Non-saturating IEEE fp16 from float (RNE; Inf stays Inf), for outputs.
 inline uint16_t out_fp16(float x) {
   const uint32_t u = kvq::float_bits(x);
@@ -90,8 +102,17 @@ inline uint16_t out_fp16(float x) {
   return sign | (uint16_t)((r >> 13) - (112u << 10));
 }
 
-namespace kvq_avx512 { extern const TaskFn run_task; }
-namespace kvq_avx2 { extern const TaskFn run_task; }
-namespace kvq_scalar { extern const TaskFn run_task; }
+namespace kvq_avx512 {
+extern const TaskFn run_task;
+extern const DecodeRowsFn decode_rows;
+}  // namespace kvq_avx512
+namespace kvq_avx2 {
+extern const TaskFn run_task;
+extern const DecodeRowsFn decode_rows;
+}  // namespace kvq_avx2
+namespace kvq_scalar {
+extern const TaskFn run_task;
+extern const DecodeRowsFn decode_rows;
+}  // namespace kvq_scalar
 
 }  // namespace kvq_cpu

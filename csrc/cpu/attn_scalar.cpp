@@ -33,7 +33,9 @@ KVQ_EW(vmin, (x < y ? x : y))
 #undef KVQ_EW
 static inline VF vfma(VF a, VF b, VF c) {
   VF r;
-  for (int i = 0; i < W; ++i) r.v[i] = a.v[i] * b.v[i] + c.v[i];  // no fma: baseline x86-64
+  // one rounding, like the SIMD paths' fma (libm's fmaf: baseline x86-64 has no fma
+  // instruction), so every path decodes a value to the same float
+  for (int i = 0; i < W; ++i) r.v[i] = fmaf(a.v[i], b.v[i], c.v[i]);
   return r;
 }
 static inline float vhsum(VF v) {
@@ -76,6 +78,17 @@ static inline VF ld_f16(const uint16_t* p) {
   VF r;
   for (int i = 0; i < W; ++i) r.v[i] = kvq::fp16_to_float(p[i]);
   return r;
+}
+// W floats -> bf16, round to nearest even, NaN -> 0x7FC0 (torch's cast).
+static inline void st_bf16(uint16_t* p, VF x) {
+  for (int i = 0; i < W; ++i) {
+    const uint32_t u = kvq::float_bits(x.v[i]);
+    p[i] = x.v[i] != x.v[i] ? (uint16_t)0x7fc0 : (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+}
+// W floats -> fp16, round to nearest even (overflow -> Inf), NaN -> sign | 0x7E00 (torch's).
+static inline void st_f16(uint16_t* p, VF x) {
+  for (int i = 0; i < W; ++i) p[i] = out_fp16(x.v[i]);
 }
 static inline VF ld_bf16(const uint16_t* p) {
   VF r;
@@ -193,6 +206,7 @@ static inline void vq8_store(VF x, VF inv, int8_t* dst) {
 #include "attn_body.h"
 
 const TaskFn run_task = &run_task_impl;
+const DecodeRowsFn decode_rows = &decode_rows_impl;
 
 }  // namespace kvq_scalar
 }  // namespace kvq_cpu
