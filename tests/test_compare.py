@@ -1,6 +1,6 @@
 """`vllm-kvq compare` on real engines: the real model, real text, our backend.
 
-The quality runs are tests/e2e_driver.py's "quality" scenario (4 x 1024 tokens), shared
+The quality runs are tests/e2e_driver.py's "quality" scenario (3 x 1024 tokens), shared
 through conftest.run_engine with tests/test_engine_cache.py: the same engine runs serve both.
 The scoring, report and plots without engines are tested in tests/test_compare_report.py.
 """
@@ -27,7 +27,7 @@ def test_bf16_against_itself_real_run():
     base = run("quality", "bf16")
     cmp = score_quality(base, base)
     assert cmp["mean_kl"] == 0.0 and cmp["ppl"] == cmp["ppl_base"]
-    assert cmp["positions"] >= 4000 and cmp["verdict"] == "near-lossless"
+    assert cmp["positions"] >= 3000 and cmp["verdict"] == "near-lossless"
 
 
 def test_a_broken_cache_is_detected():
@@ -41,11 +41,12 @@ def test_a_broken_cache_is_detected():
 
 
 def test_quality_orders_by_bits():
-    """8, 4 and 2 bits (the 2-bit run is the per-token one the KIVI test below needs too:
-    one engine fewer than a third group-32 format; at 2 bits both are far worse than 4)."""
-    kls = {m: kl(m)["mean_kl"] for m in ("int8_group32", "int4_group32", "int2_token")}
+    """8, 4 and 2 bits (runs the other tests need too: int8_token and int4_group32 are
+    QUALITY formats of tests/test_engine_cache.py, int2_token the per-token 2-bit one the
+    KIVI test below compares with)."""
+    kls = {m: kl(m)["mean_kl"] for m in ("int8_token", "int4_group32", "int2_token")}
     print(json.dumps(kls))
-    assert 0 < kls["int8_group32"] < kls["int4_group32"] < kls["int2_token"], kls
+    assert 0 < kls["int8_token"] < kls["int4_group32"] < kls["int2_token"], kls
 
 
 def test_kivi2_beats_per_token_int2_at_similar_bytes():
@@ -59,11 +60,14 @@ def test_kivi2_beats_per_token_int2_at_similar_bytes():
 
 
 def test_compare_command_end_to_end(tmp_path):
-    """The real command, tiny: bf16 and a deliberately broken int4 through real engines;
-    report, JSON and plots come out, bf16 scores KL 0 against itself, the fault is caught."""
+    """The real command, tiny: bf16 through a real engine (quality, speed, passkey,
+    capacity); report, JSON and the speed plot come out, bf16 scores KL 0 against itself.
+    That a clobbered cache is called broken is test_a_broken_cache_is_detected's (same
+    scoring code; the command's --inject-fault only names that run), the quality plot and
+    a broken row's report test_compare_report's."""
     out = tmp_path / "cmp"
     cmd = [sys.executable, "-m", "vllm_kvq.cli", "compare", "--methods", "bf16",
-           "--inject-fault", "int4_group32", "--quality-windows", "1", "--quality-window", "512",
+           "--quality-windows", "1", "--quality-window", "512",
            "--contexts", "512", "--batches", "1", "--decode-tokens", "4",
            "--passkey-lengths", "1024", "--passkey-positions", "1", "--no-kernel",
            "--kv-budget", str(256 << 20), "--out", str(out)]
@@ -74,6 +78,5 @@ def test_compare_command_end_to_end(tmp_path):
     assert rows["bf16"]["quality"]["mean_kl"] == 0.0
     assert rows["bf16"]["speed"][0]["decode"][0]["decode_tok_s"] > 0
     assert rows["bf16"]["capacity_tokens"] > 0
-    assert rows["int4_group32+clobber_cache"]["quality"]["verdict"] == "broken"
-    assert (out / "quality_vs_bytes.png").exists() and (out / "speed_vs_context.png").exists()
-    assert "int4_group32+clobber_cache" in (out / "report.md").read_text()
+    assert (out / "speed_vs_context.png").exists()  # quality plot: none without a format
+    assert "`bf16`" in (out / "report.md").read_text()

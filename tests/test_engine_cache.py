@@ -21,15 +21,19 @@ BUDGET = 1 << 30  # the quality runs' (tests/e2e_driver.py), at vLLM's default m
 # set from measurements on this model and text (see the issue notes); a broken kernel
 # (wrong scale, wrong block, stale residual) lands far outside them.
 # Measured (fp32 model, 4 x 1024 SOTU tokens): fp8_e4m3 KL 0.0042 / 99.89% / +0.97%;
-# int8_token 0.00023 / 100% / -0.02%; int8_group32 0.00011 / 100% / +0.11%;
+# int8_token 0.00023 / 100% / -0.02% (int8_group32, 0.00011 / 100% / +0.11%, is left to the
+# kernel tests: suite time);
 # int4_group32 0.027 / 97.5% / +3.6%; kivi4 0.0018 / 99.96% / +0.16%;
 # kivi2 0.082 / 91.2% / +15.5%; nuq3 (shipped calibration) 0.0103 / 99.44% / +1.1%;
 # int4_group32_rot (Hadamard-rotated K/V) 0.0201 / 98.6% / +3.9% (int4_group32 in the same
-# run: 0.0273 / 97.5% / +3.8%).
+# run: 0.0273 / 97.5% / +3.8%). The same on the 3 x 1024 tokens the tests use now (AVX-512,
+# 2026-12-02): fp8_e4m3 0.0043 / 99.95% / +1.1%; int8_token 0.00023 / 100% / -0.06%;
+# int4_group32 0.0276 / 97.4% / +4.2%; kivi4 0.0018 / 100% / +0.05%; kivi2 0.084 / 91.4% /
+# +17.0%; nuq3 0.0102 / 99.25% / +1.5%; int4_group32_rot 0.0205 / 98.6% / +4.1%;
+# nuq3_lm_rot 0.0142 (x1.40 nuq3's; x1.36 on 4 x 1024).
 QUALITY = {
     "fp8_e4m3": (0.01, 0.995, 0.02),
     "int8_token": (0.001, 0.995, 0.003),
-    "int8_group32": (0.001, 0.995, 0.003),
     "int4_group32": (0.05, 0.96, 0.06),
     "kivi4": (0.005, 0.995, 0.01),
     "kivi2": (0.15, 0.88, 0.25),
@@ -66,21 +70,12 @@ def test_our_bf16_is_vllm_bf16():
     assert ours["capacity_tokens"] == pytest.approx(theirs["capacity_tokens"], rel=0.02)
 
 
-def test_our_bf16_cache_against_vllm_fp32_cache():
-    """The quality runs use an fp32 model (fast here); our bf16 cache then loses only
-    bf16 rounding against vLLM's fp32 cache."""
-    cmp = compare_runs(run("quality", "vllm"), run("quality", "bf16"))
-    assert abs(cmp["ppl_change"]) < 0.003, cmp
-    assert cmp["agreement_confident"] > 0.995, cmp
-    assert cmp["mean_kl"] < 0.002, cmp
-
-
 @pytest.mark.parametrize("method", list(QUALITY))
 def test_quality_against_bf16(method):
     base, other = run("quality", "bf16"), run("quality", method)
     cmp = compare_runs(base, other)
     print(method, json.dumps(cmp))
-    assert_within(cmp, QUALITY[method], min_positions=4000)
+    assert_within(cmp, QUALITY[method], min_positions=3000)
 
 
 def expected_capacity(method: str, layers: int = SMOL["layers"]) -> int:
@@ -181,7 +176,8 @@ CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 96, "max_nu
 
 @pytest.mark.parametrize("method", ["int4_group32", "kivi2"])
 def test_small_prefill_chunks_read_the_same_cache(method):
-    """Teacher-forced over 4 x 1024 tokens, prefilled in 96-token chunks vs one chunk per
+    """Teacher-forced over the quality windows (3 x 1024 tokens; measured below on 4 x 1024),
+    prefilled in 96-token chunks vs one chunk per
     window: every chunk's queries read earlier chunks back from the quantized pages (and
     the residual window). A chunk that read a stale or misplaced block, or lost the
     residual window, lands at KL ~1 (see the clobber test below).
@@ -218,14 +214,24 @@ def test_preemption_completes_every_request():
     position vs bf16): a tie within PREEMPT_TIE_NATS may flip. Measured: 5 of 8 identical,
     the others first differ where the unconstrained run's top two were 0.41, 0.03 and 0.10
     nats apart; 16% of its steps are that close, so a recompute that lost the window
-    (garbage from the next token on) is caught."""
-    sizes = {"max_num_seqs": 8, "new_tokens": PREEMPT_TOKENS}
-    tight = run("preempt", "kivi2", json.dumps({"kv_pages": 28, **sizes}))
-    roomy = run("preempt", "kivi2", json.dumps({"kv_pages": 200, **sizes}))
-    assert tight["num_blocks"] <= 28 and roomy["preemptions"] == 0
+    (garbage from the next token on) is caught.
+    The unconstrained run is the window's capacity claim too: the same 8 and 8 more
+    sequences (424-763 tokens + 160 each, 7-8 pages + 6 window blocks each) at vLLM's default
+    max_num_seqs in 240 pages: all 16 decode at once (every request's first token comes
+    before any request's last) with no preemption, their windows inside vLLM's pool."""
+    tight = run("preempt", "kivi2", json.dumps({"kv_pages": 28, "max_num_seqs": 8,
+                                                "new_tokens": PREEMPT_TOKENS}))
+    roomy = run("preempt", "kivi2", json.dumps({"kv_pages": 240, "seqs": 16,
+                                                "new_tokens": PREEMPT_TOKENS}))
+    assert tight["num_blocks"] <= 28 and roomy["num_blocks"] <= 240
     assert tight["preemptions"] > 0, tight["preemptions"]
+    assert roomy["preemptions"] == 0 and roomy["max_num_seqs"] == 256, roomy
     assert [len(t) for t in tight["tokens"]] == [PREEMPT_TOKENS] * 8
-    assert_same_up_to_ties(tight["tokens"], roomy["tokens"], roomy["margins"], PREEMPT_TIE_NATS)
+    assert [len(t) for t in roomy["tokens"]] == [PREEMPT_TOKENS] * 16
+    firsts, lasts = zip(*roomy["spans"])
+    assert max(firsts) < min(lasts), roomy["spans"]  # 16 sequences decoding at once
+    assert_same_up_to_ties(tight["tokens"], roomy["tokens"][:8], roomy["margins"][:8],
+                           PREEMPT_TIE_NATS)
 
 
 PREEMPT_TOKENS = 160
@@ -273,7 +279,7 @@ def test_pipeline_parallel_reads_the_same_cache(method):
 # Decode, teacher-forced: one token per engine step (chunked prefill with a 1-token budget),
 # so every position is scored by the fused decode kernel, as generation is.
 DECODE_STEPS = {"enable_chunked_prefill": True, "max_num_batched_tokens": 1,
-                "max_num_seqs": 1, "windows": 1, "window": 512, "enable_prefix_caching": False}
+                "max_num_seqs": 1, "windows": 1, "window": 384, "enable_prefix_caching": False}
 
 
 # int4_group32 only (per-group key scales, the most used path; ~1.5 min of one-token steps
@@ -290,14 +296,14 @@ def test_int8_query_decode_costs_at_most_five_percent_of_the_format_error(method
     differences reach the next layers' quantized K/V)."""
     steps = json.dumps(DECODE_STEPS)
     exact = json.dumps({**DECODE_STEPS, "env": {"KVQ_EXACT_QK": "1"}})
-    # the bf16 baseline scores the same 512 tokens in one prefill (~40 s less than 511 steps):
+    # the bf16 baseline scores the same tokens in one prefill (~30 s less than 383 steps):
     # a bf16 cache has nothing to round, so prefill and decode differ by float noise only
     # (KL ~4e-6, see the chunked test), and both kernels are measured against the same run
-    base = run("quality", "bf16", json.dumps({"windows": 1, "window": 512,
+    base = run("quality", "bf16", json.dumps({"windows": 1, "window": DECODE_STEPS["window"],
                                               "enable_prefix_caching": False}))
     fast, ref = compare_runs(base, run("quality", method, steps)), compare_runs(
         base, run("quality", method, exact))
     print(json.dumps({"method": method, "int8_query": fast, "exact": ref}))
-    assert fast["positions"] >= 500
+    assert fast["positions"] >= DECODE_STEPS["window"] - 2
     assert fast["mean_kl"] <= 1.05 * ref["mean_kl"] + 0.001, (fast, ref)
     assert fast["agreement_confident"] >= ref["agreement_confident"] - 0.02, (fast, ref)
