@@ -1306,9 +1306,10 @@ static void decode_rows_impl(const kvq::Codec& c, const kvq::Region& r, const ui
     const int n = imin(TT, cnt - t0);
     int nch_rows = 0;
     prep_segment(c, r, plane, t0, n, 0, D, st, tb, nch_rows, ts, -1, levels, false);
-    float* dst = dtype == DT_F32 ? (float*)out + (int64_t)t0 * row_stride : rows;
+    // contiguous fp32 rows are decoded in place, anything else through `rows`
     const bool dense = dtype == DT_F32 && row_stride == D;
-    with_kind(c, false, [&](auto k) { decode_tile_kind(k, ts, n, D, dense ? dst : rows); });
+    float* dst = dense ? (float*)out + (int64_t)t0 * D : rows;
+    with_kind(c, false, [&](auto k) { decode_tile_kind(k, ts, n, D, dst); });
     for (int t = 0; t < n && !dense; ++t) {
       const float* src = rows + (int64_t)t * D;
       const int64_t o = (int64_t)(t0 + t) * row_stride;
