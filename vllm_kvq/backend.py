@@ -203,13 +203,7 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
                 f"vllm-kvq's backend does not support {', '.join(bad)} (decoder-only "
                 f"full or sliding-window attention with kv_cache_dtype=auto; choose the "
                 f"format with --additional-config kvq.method)")
-        R = self.fmt.residual_tokens
-        if sliding_window and R > sliding_window:
-            raise ValueError(
-                f"vllm-kvq: kvq.method={self.fmt.name!r} keeps the last {R} tokens in full "
-                f"precision, more than the model's sliding window of {sliding_window}; "
-                f"choose kvq.residual_tokens <= {sliding_window}")
-        self.sliding_window = sliding_window or 0
+        self.sliding_window = ops.sliding_window_for(self.fmt, sliding_window)
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)

@@ -285,7 +285,7 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
         dst = torch.zeros_like(query)
     _ops().paged_attention(dst, query, cache, block_table, seq_lens, query_start_loc,
                            staging_k, staging_v, staging_start_loc, staging_pos0, R,
-                           _window(sliding_window, R), softmax_scale, fmt.key.as_ints(),
+                           sliding_window_for(fmt, sliding_window), softmax_scale, fmt.key.as_ints(),
                            fmt.value.as_ints(), ks, vs, kl, vl)
     if rot is not None:
         n = int(query_start_loc[-1])  # only the rows the kernel wrote
@@ -293,11 +293,20 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
     return out
 
 
-def _window(sliding_window: int | None, R: int) -> int:
+def sliding_window_for(fmt: KVFormat, sliding_window: int | None) -> int:
+    """The layer's sliding window W (0: none), checked against the format once: a query
+    reads its last < R positions from the residual window's staging rows, so the window
+    of full-precision tokens must fit in W. The backend calls this at engine start, the
+    ops when they are bound."""
     W = int(sliding_window or 0)
-    if W < 0 or (W and W < R):
-        _fail(f"sliding_window={sliding_window} must be 0 (none) or at least the residual "
-              f"window's chunk R={R}: a query reads its last < R positions from staging")
+    R = fmt.residual_tokens
+    if W < 0:
+        _fail(f"sliding_window={sliding_window} is not allowed; allowed: 0 (none) or a "
+              f"window of at least {max(R, 1)} positions")
+    if W and R > W:
+        _fail(f"sliding_window={sliding_window}: kvq.method={fmt.name!r} keeps the last {R} "
+              f"tokens in full precision, more than the model's sliding window of {W}; "
+              f"choose kvq.residual_tokens <= {W}")
     return W
 
 
@@ -320,7 +329,7 @@ class LayerOps:
         _check_codec(fmt)
         self.fmt = fmt
         self.residual_chunk = fmt.residual_chunk
-        self.sliding_window = _window(sliding_window, fmt.residual_chunk)
+        self.sliding_window = sliding_window_for(fmt, sliding_window)
         self.k_codec, self.v_codec = fmt.key.as_ints(), fmt.value.as_ints()
         H = num_kv_heads
         self.k_scale = _static_scales(k_scale, fmt.key, H, "k_scale", device)

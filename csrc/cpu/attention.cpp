@@ -12,13 +12,10 @@
 
 #include "attn_common.h"
 #include "cpu_ops.h"
+#include "op_checks.h"
 #include "kvq_torch_codec.h"
 
 namespace kvq_cpu {
-
-// cache_write.cpp
-void check_codec(const kvq::Codec& c, int D, int B, const char* what);
-std::vector<float> codebook(const kvq::Codec& c, const at::Tensor& levels, const char* what);
 
 namespace {
 

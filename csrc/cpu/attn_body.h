@@ -116,6 +116,19 @@ struct TileBufs {
   float* lut;  // 16 * D: per-channel lookup tables (nuq / outlier codecs, channel scales)
 };
 
+// A TileBufs carved from p (tile_buf_floats(D) floats, attn_common.h); returns the first
+// float after it.
+static inline float* carve_tile_bufs(float* p, int D, TileBufs& tb) {
+  tb.s = p;
+  tb.z = tb.s + (size_t)TT * (D / 16);
+  tb.cs = tb.z + (size_t)TT * (D / 16);
+  tb.cz = tb.cs + (size_t)4 * D;
+  tb.u8 = (uint8_t*)(tb.cz + (size_t)4 * D);  // TT * D bytes
+  tb.f32 = (float*)(tb.u8 + (size_t)TT * D);  // TT * D floats
+  tb.lut = tb.f32 + (size_t)TT * D;            // 16 * D floats
+  return tb.lut + (size_t)16 * D;
+}
+
 // Whether a codec is decoded to fp32 rows when its tile is prepared (K_F32): in the
 // scratch path (prefill) nuq and outlier codecs are; the fused decode path reads their
 // codes in registers (nuq: through the codebook table, ld_t*) and applies each outlier
@@ -953,21 +966,14 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   float* S = acc + (size_t)Mp * D;
   float* KV = S + (size_t)Mp * SL;
   TileBufs tb;
-  tb.s = KV + (size_t)TT * D;
-  tb.z = tb.s + (size_t)TT * (D / 16);
-  tb.cs = tb.z + (size_t)TT * (D / 16);
-  tb.cz = tb.cs + (size_t)4 * D;
-  float* mrow = tb.cz + (size_t)4 * D;
+  float* mrow = carve_tile_bufs(KV + (size_t)TT * D, D, tb);
   float* lrow = mrow + Mp;
   int* lo = (int*)(lrow + Mp);
   int* hi = lo + Mp;
   int* Fq = hi + Mp;
   int* pq = Fq + Mp;
-  tb.u8 = (uint8_t*)(pq + Mp);  // TT * D bytes
-  tb.f32 = (float*)(tb.u8 + (size_t)TT * D);  // TT * D floats
-  tb.lut = tb.f32 + (size_t)TT * D;            // 16 * D floats
   // integer Q.K
-  int8_t* q8 = (int8_t*)(tb.lut + (size_t)16 * D);  // Mp * D int8 query (code order)
+  int8_t* q8 = (int8_t*)(pq + Mp);                  // Mp * D int8 query (code order)
   float* qsc = (float*)(q8 + (size_t)Mp * D);       // Mp row scales
   float* qsum = qsc + Mp;                           // Mp * ng: qs * group sums of q8
   float* zt = qsum + (size_t)Mp * (D / 4);          // TT * ng: the tile's zeros, transposed
@@ -1292,14 +1298,7 @@ static void decode_rows_impl(const kvq::Codec& c, const kvq::Region& r, const ui
                              int cnt, int D, float st, const float* levels, float* scratch,
                              void* out, int32_t dtype, int64_t row_stride) {
   TileBufs tb;
-  tb.s = scratch;
-  tb.z = tb.s + (size_t)TT * (D / 16);
-  tb.cs = tb.z + (size_t)TT * (D / 16);
-  tb.cz = tb.cs + (size_t)4 * D;
-  tb.u8 = (uint8_t*)(tb.cz + (size_t)4 * D);
-  tb.f32 = (float*)(tb.u8 + (size_t)TT * D);
-  tb.lut = tb.f32 + (size_t)TT * D;
-  float* rows = tb.lut + (size_t)16 * D;  // one tile's values, fp32
+  float* rows = carve_tile_bufs(scratch, D, tb);  // one tile's values, fp32
   TileSrc ts;
   ts.gshift = 30;
   for (int t0 = 0; t0 < cnt; t0 += TT) {

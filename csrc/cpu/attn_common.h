@@ -66,12 +66,19 @@ struct AttnTask {
 // Partial results of a split task: m[M], l[M], acc[M*D] (log2-domain max and sum).
 inline size_t partial_floats(int M, int D) { return (size_t)M * (2 + D); }
 
+// Floats of one tile's scale and code buffers (attn_body.h TileBufs / carve_tile_bufs):
+// scales and zeros, 4 per-channel scale rows each, unpacked codes (bytes), decoded values,
+// 16-entry lookup tables per channel.
+inline size_t tile_buf_floats(int D) {
+  const size_t TT = kTileTokens;
+  return 2 * TT * (D / 16) + 8 * (size_t)D + TT * D / 4 + TT * D + 16 * (size_t)D;
+}
+
 // Scratch floats one thread needs for tasks of at most max_rows (= nq*gq) rows (see the
 // carving at the top of run_task_impl in attn_body.h).
 inline size_t scratch_floats(int max_rows, int D) {
   const size_t M = (size_t)(max_rows < 16 ? 16 : max_rows), TT = kTileTokens;
-  return M * D * 3 + M * TT + TT * D + 2 * TT * (D / 16) + 8 * (size_t)D + 6 * M +
-         TT * D / 4 + TT * D + 16 * (size_t)D + 256 +
+  return M * D * 3 + M * TT + TT * D + tile_buf_floats(D) + 6 * M + 256 +
          M * D / 4 + M * (D / 4 + 2) + TT * (D / 4) + 64 +   // integer Q.K: q8, qs/qsum, zt
          M * (D / 16) * TT + 2 * (D / 16) * TT + M * (D / 16) + 64;  // folded P.V: PS, s/z, zp
 }
@@ -85,8 +92,7 @@ using DecodeRowsFn = void (*)(const kvq::Codec& c, const kvq::Region& r, const u
                               int cnt, int D, float static_scale, const float* levels,
                               float* scratch, void* out, int32_t dtype, int64_t row_stride);
 inline size_t decode_scratch_floats(int D) {
-  const size_t TT = kTileTokens;
-  return 2 * TT * (D / 16) + 8 * (size_t)D + TT * D / 4 + 2 * TT * D + 16 * (size_t)D + 64;
+  return tile_buf_floats(D) + (size_t)kTileTokens * D + 64;  // + one tile's fp32 rows
 }
 DecodeRowsFn current_decode_rows();  // attention.cpp: the SIMD path of this call
 

@@ -8,7 +8,7 @@ from vllm_kvq.tools.evaluate import compare_runs
 
 # Verdicts on the teacher-forced comparison with our bf16 cache. "broken": the model no
 # longer predicts its own top-1 token on most positions (a cache that stores garbage lands
-# here, see tests/test_compare.py); the other bands are descriptive, by mean KL.
+# here, see tests/test_compare_engines.py); the other bands are descriptive, by mean KL.
 BROKEN_AGREEMENT = 0.5
 BANDS = [(0.005, "near-lossless"), (0.05, "small loss"), (0.3, "lossy")]
 

@@ -1,6 +1,6 @@
 """`vllm-kvq compare` without engines: scoring, memory accounting, inputs, the report.
 
-The engine-running tests are in tests/test_compare.py (marked e2e)."""
+The engine-running tests are in tests/test_compare_engines.py (marked e2e)."""
 import json
 import math
 import random

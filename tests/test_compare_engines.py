@@ -2,7 +2,8 @@
 
 The quality runs are tests/e2e_driver.py's "quality" scenario (3 x 1024 tokens), shared
 through conftest.run_engine with tests/test_engine_cache.py: the same engine runs serve both.
-The scoring, report and plots without engines are tested in tests/test_compare_report.py.
+The scoring, report and plots without engines are tested in
+tests/test_compare_without_engines.py.
 """
 import json
 import subprocess
@@ -64,7 +65,7 @@ def test_compare_command_end_to_end(tmp_path):
     capacity); report, JSON and the speed plot come out, bf16 scores KL 0 against itself.
     That a clobbered cache is called broken is test_a_broken_cache_is_detected's (same
     scoring code; the command's --inject-fault only names that run), the quality plot and
-    a broken row's report test_compare_report's."""
+    a broken row's report are tests/test_compare_without_engines.py's."""
     out = tmp_path / "cmp"
     cmd = [sys.executable, "-m", "vllm_kvq.cli", "compare", "--methods", "bf16",
            "--quality-windows", "1", "--quality-window", "512",

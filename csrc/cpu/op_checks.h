@@ -1,0 +1,23 @@
+// Checks shared by the CPU ops (op_checks.cpp) and the dispatch level they use.
+#pragma once
+#include <torch/all.h>
+
+#include <vector>
+
+#include "kvq_layout.h"
+
+namespace kvq_cpu {
+
+// A codec's fields are a combination the kernels implement for head_dim D and block size B
+// (what: the argument's name in the error).
+void check_codec(const kvq::Codec& c, int D, int B, const char* what);
+
+// A nuq codec's codebook (float32 [2^bits], ascending, finite, in [-1, 1]) copied out of its
+// tensor; empty for other codecs.
+std::vector<float> codebook(const kvq::Codec& c, const at::Tensor& levels, const char* what);
+
+// The SIMD path the ops dispatch to (attention.cpp): 0 scalar, 1 avx2, 2 avx512
+// (KVQ_SIMD lowers it).
+int simd_level();
+
+}  // namespace kvq_cpu
