@@ -53,16 +53,36 @@ KINDS = ["bf16", "fp16", "fp8_e4m3", "fp8_e5m2_token", "fp8_e4m3_head", "int8_to
          "int4_group16_sym", "kivi2", "int4_channel16_sym_r32"]
 
 
+EMU_CFLAGS = ["-O2", "-ffp-contract=off", "-fno-math-errno", "-Wno-unknown-pragmas"]
+
+
 @pytest.fixture(scope="module")
 def emu():
+    """The emulator build (~50 s), kept per content of csrc/ and the flags: a fresh clone's
+    new file times would make ninja rebuild an unchanged one."""
+    import hashlib
+    import importlib.util
+
     from torch.utils import cpp_extension
+    h = hashlib.sha256(repr((EMU_CFLAGS, torch.__version__)).encode())
+    for d, _, files in sorted(os.walk(os.path.join(ROOT, "csrc"))):
+        for f in sorted(files):
+            h.update(f.encode())
+            with open(os.path.join(d, f), "rb") as fh:
+                h.update(fh.read())
     build = os.path.join(os.environ.get("KVQ_CACHE", os.path.expanduser("~/.cache/vllm-kvq")),
-                         "cuda_emu_build")
+                         "cuda_emu_build", h.hexdigest()[:16])
+    built = os.path.join(build, "kvq_cuda_emu.so")
+    if os.path.exists(built):
+        spec = importlib.util.spec_from_file_location("kvq_cuda_emu", built)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
     os.makedirs(build, exist_ok=True)
     return cpp_extension.load(
         name="kvq_cuda_emu", sources=[os.path.join(ROOT, "csrc/cuda/emu/emu_ops.cpp")],
-        extra_cflags=["-O2", "-ffp-contract=off", "-fno-math-errno", "-Wno-unknown-pragmas"],
-        extra_include_paths=[os.path.join(ROOT, "csrc")], build_directory=build)
+        extra_cflags=EMU_CFLAGS, extra_include_paths=[os.path.join(ROOT, "csrc")],
+        build_directory=build)
 
 
 def _block(fmt):

@@ -41,7 +41,7 @@ def test_short_locust_session_has_no_failures(live, tmp_path):
     samples = tmp_path / "samples.jsonl"
     proc = subprocess.run(
         [locust, "-f", str(ROOT / "loadtest" / "locustfile.py"), "--headless",
-         "--only-summary", "--host", live, "-u", "3", "-r", "3", "--run-time", "25s",
+         "--only-summary", "--host", live, "-u", "3", "-r", "3", "--run-time", "15s",
          "--stop-timeout", "60", "--csv", str(prefix), "--kvq-api-key", API_KEY,
          "--kvq-prompt-min", "32", "--kvq-prompt-max", "256", "--kvq-max-tokens", "16",
          "--kvq-max-requests", "200", "--kvq-samples", str(samples)],
