@@ -16,6 +16,14 @@ E2E_DIR.mkdir(parents=True, exist_ok=True)
 
 
 ENGINE_TIMEOUT_S = 1200
+# KVQ_FULL_GRID=1: every format of a parallelism test (and the CUDA emulation's full grid);
+# the suite runs the one format per test that reaches the most code (suite time)
+FULL_GRID = os.environ.get("KVQ_FULL_GRID") == "1"
+
+
+def grid(reduced: list, full: list) -> list:
+    assert all(x in full for x in reduced), reduced
+    return full if FULL_GRID else reduced
 
 
 @lru_cache(maxsize=1)

@@ -7,7 +7,7 @@ sliding window, so its layers drop the oldest keys within every window.
 import json
 
 import pytest
-from conftest import assert_within
+from conftest import assert_within, grid
 from conftest import run_engine as run
 
 from vllm_kvq.formats import parse_format
@@ -51,20 +51,32 @@ def test_kivi2_on_gemma3_quality_and_capacity():
 
 
 # Tensor parallel 2 (two CPU workers, one core each): Gemma 3's single kv head is replicated
-# on both ranks, its 4 query heads split 2 + 2. Measured (kivi2, 1 x 1024): KL 0.0022
-# against the one-worker run (the format's own KL vs bf16: 0.066; the difference is float
-# noise that reaches kivi2's rounding, as with prefill chunk sizes), 100% confident
-# agreement, the same capacity per rank (2 x 1024: 0.0015, 99.9%).
+# on both ranks, its 4 query heads split 2 + 2. The ranks' split matmuls give K/V that differ
+# in the last bits, so a quantized run under TP stores another draw of the format's rounding
+# error (as chunked prefill does, tests/test_engine_cache.py): what must hold is that TP is
+# as far from bf16 as one worker is; a rank reading another rank's or a stale kv head lands
+# at KL ~1. Measured (1 x 1024 tokens, KL TP vs one / one vs bf16 / TP vs bf16, confident
+# agreement one / TP): bf16 4.1e-6 / - / -; kivi2 0.0022 / 0.066 / -; int4_group32 0.033 /
+# 0.0478 / 0.0503, 0.965 / 0.947 (659 confident positions: 12 flips); nuq3_lm 0.0012 /
+# 0.0169 / 0.0173, 0.986 / 0.988. The same capacity per rank.
 TP2 = {**GEMMA, "tensor_parallel_size": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
 
 
-def test_tensor_parallel_2_on_gemma3_reads_the_same_cache():
-    one, two = run("quality", "kivi2", json.dumps(GEMMA)), run("quality", "kivi2",
-                                                              json.dumps(TP2))
-    cmp = compare_runs(one, two)
-    own_error = compare_runs(run("quality", "bf16", json.dumps(GEMMA)), one)["mean_kl"]
-    print(json.dumps({"tp2_vs_one": cmp, "format_kl": own_error}))
-    assert cmp["agreement_confident"] >= 0.995, cmp
-    assert cmp["mean_kl"] < 0.1 * own_error, (cmp, own_error)
+# kivi2 alone in the suite (each TP engine is ~60 s): window, per-channel keys; KVQ_FULL_GRID=1
+# adds bf16, int4_group32 and nuq3_lm (no Gemma 3 calibration is shipped for nuq3).
+@pytest.mark.parametrize("method", grid(["kivi2"], ["bf16", "int4_group32", "kivi2", "nuq3_lm"]))
+def test_tensor_parallel_2_on_gemma3_reads_the_same_cache(method):
+    base = run("quality", "bf16", json.dumps(GEMMA))
+    one, two = run("quality", method, json.dumps(GEMMA)), run("quality", method,
+                                                               json.dumps(TP2))
+    cmp, own, own_tp = compare_runs(one, two), compare_runs(base, one), compare_runs(base, two)
+    print(json.dumps({"method": method, "tp2_vs_one": cmp, "one_vs_bf16": own,
+                      "tp2_vs_bf16": own_tp}))
+    if method == "bf16":  # nothing to round: float noise of the split matmuls only
+        assert cmp["mean_kl"] < 1e-4 and cmp["agreement_confident"] >= 0.995, cmp
+    else:
+        assert own_tp["mean_kl"] == pytest.approx(own["mean_kl"], rel=0.15), (own_tp, own)
+        assert abs(own_tp["agreement_confident"] - own["agreement_confident"]) < 0.03
+        assert cmp["mean_kl"] < own["mean_kl"], (cmp, own)
     # each rank holds the replicated kv head's pages: the same tokens as one worker
     assert two["capacity_tokens"] == pytest.approx(one["capacity_tokens"], rel=0.02)
