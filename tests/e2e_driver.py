@@ -79,9 +79,7 @@ def main(argv: list[str]):
     model = str(ensure_model(MODELS[extra.pop("model", "smollm2")], verbose=False))
     inputs = session_inputs(os.path.dirname(out), model, n_windows, window)
     windows = inputs["windows"]
-    # every prompt is token ids: the engine needs no tokenizer (Gemma 3's takes ~20 s a start)
-    extra.setdefault("skip_tokenizer_init", True)
-    if scenario == "quality":
+    if scenario == "quality":  # run_method starts it without a tokenizer (ids only)
         result = run_method(method, model, windows, greedy_prompts=inputs["greedy"],
                             **{"kv_budget": QUALITY_BUDGET, **extra})
     else:
@@ -93,6 +91,8 @@ def main(argv: list[str]):
         if "kv_pages" in extra:  # a budget of exactly this many pages
             budget = pages_budget(method, extra.pop("kv_pages"))
         extra.setdefault("disable_log_stats", False)  # preemption counts
+        # every prompt is token ids: no tokenizer (Gemma 3's takes ~20 s a start)
+        extra.setdefault("skip_tokenizer_init", True)
         llm = LLM(**engine_kwargs(method, model, budget, 2048, **extra))
         result = {"method": method, **capacity(llm)}
         if scenario == "short":

@@ -285,8 +285,8 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
         dst = torch.zeros_like(query)
     _ops().paged_attention(dst, query, cache, block_table, seq_lens, query_start_loc,
                            staging_k, staging_v, staging_start_loc, staging_pos0, R,
-                           sliding_window_for(fmt, sliding_window), softmax_scale, fmt.key.as_ints(),
-                           fmt.value.as_ints(), ks, vs, kl, vl)
+                           sliding_window_for(fmt, sliding_window), softmax_scale,
+                           fmt.key.as_ints(), fmt.value.as_ints(), ks, vs, kl, vl)
     if rot is not None:
         n = int(query_start_loc[-1])  # only the rows the kernel wrote
         out[:n] = rotation.unrotate(dst[:n], rot)

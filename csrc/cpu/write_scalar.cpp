@@ -26,33 +26,28 @@ inline uint16_t float_to_fp16_ieee(float x) {
   return sign | (uint16_t)((r >> 13) - (112u << 10));
 }
 
-// fp8 of a finite value already clamped to +-fp8_max (same contract as kvq::float_to_fp8).
-inline uint8_t float_to_e4m3_fast(float x) {
+// fp8 of a finite value already clamped to +-fp8_max (same contract as kvq::float_to_fp8):
+// MAN = 3 is e4m3 (normal from 2^-6, subnormal quantum 2^-9), MAN = 2 is e5m2 (2^-14, 2^-16).
+template <int MAN>
+inline uint8_t float_to_fp8_fast(float x) {
+  constexpr bool e4 = MAN == 3;
+  constexpr int drop = 23 - MAN;                                   // mantissa bits dropped
+  constexpr uint32_t min_normal = e4 ? 0x3c800000u : 0x38800000u;  // 2^-6 / 2^-14
+  constexpr float sub_per_quantum = e4 ? 512.0f : 65536.0f;        // 2^9 / 2^16
+  constexpr uint32_t rebias = (e4 ? 120u : 112u) << MAN;           // float bias - fp8 bias
   const uint32_t u = kvq::float_bits(x);
   const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
   const uint32_t a = u & 0x7fffffffu;
-  if (a < 0x3c800000u) {  // below 2^-6: subnormal, quantum 2^-9
-    return sign | (uint8_t)rintf(kvq::bits_float(a) * 512.0f);
-  }
-  const uint32_t r = a + 0x7ffffu + ((a >> 20) & 1u);
-  return sign | (uint8_t)((r >> 20) - (120u << 3));
-}
-inline uint8_t float_to_e5m2_fast(float x) {
-  const uint32_t u = kvq::float_bits(x);
-  const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
-  const uint32_t a = u & 0x7fffffffu;
-  if (a < 0x38800000u) {  // below 2^-14: subnormal, quantum 2^-16
-    return sign | (uint8_t)rintf(kvq::bits_float(a) * 65536.0f);
-  }
-  const uint32_t r = a + 0xfffffu + ((a >> 21) & 1u);
-  return sign | (uint8_t)((r >> 21) - (112u << 2));
+  if (a < min_normal) return sign | (uint8_t)rintf(kvq::bits_float(a) * sub_per_quantum);
+  const uint32_t r = a + ((1u << (drop - 1)) - 1u) + ((a >> drop) & 1u);  // RNE
+  return sign | (uint8_t)((r >> drop) - rebias);
 }
 inline uint8_t quantize_fp8_fast(float x, float scale, int32_t enc) {
   x = kvq::sanitize(x);
   if (!(scale > 0.0f)) return 0;
   const float m = kvq::fp8_max(enc);
   const float y = fminf(fmaxf(x / scale, -m), m);
-  return enc == kvq::ENC_FP8_E4M3 ? float_to_e4m3_fast(y) : float_to_e5m2_fast(y);
+  return enc == kvq::ENC_FP8_E4M3 ? float_to_fp8_fast<3>(y) : float_to_fp8_fast<2>(y);
 }
 
 // ---- one scale group -------------------------------------------------------------------

@@ -68,7 +68,7 @@ def prompt_logprobs(llm, windows: list[list[int]]) -> list[list[dict]]:
 
 
 def greedy(llm, prompts: list, max_tokens: int = 24) -> list[list[int]]:
-    """Greedy tokens of prompts (text, or token ids as prompt_ids gives them)."""
+    """Greedy tokens of prompts (text, or token-id prompts as default_inputs gives them)."""
     from vllm import SamplingParams
 
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False)
@@ -102,7 +102,7 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 
 def run_method(method, model: str, windows: list[list[int]], kv_budget: int = 256 << 20,
                greedy_prompts: list | None = None, **extra) -> dict:
-    """greedy_prompts: GREEDY_PROMPTS as token ids (prompt_ids); with them the engine runs
+    """greedy_prompts: GREEDY_PROMPTS as token ids (default_inputs); with them the engine runs
     without a tokenizer of its own (vLLM loads Gemma 3's ~3 times, ~20 s a start)."""
     from vllm import LLM
 
