@@ -184,6 +184,42 @@ static inline VF vgather(const float* base, int stride) {
   return _mm256_i32gather_ps(base, idx, 4);
 }
 
+// Rows of ng floats (token-major, [t][g]) -> out[g * TT + t] for tokens [0, nt) rounded up to
+// W (the same reads as a gather). Zen 2 runs an 8-lane vpgatherdps in ~20 cycles, so the
+// two- and four-group cases (head_dim 64 / 128 in groups of 32) use in-lane shuffles and
+// the rest a scalar copy; true when handled.
+static inline bool vtranspose_groups(const float* src, int nt, int ng, float* out, int TTs) {
+  if (ng == 2) {
+    for (int t = 0; t < nt; t += W) {
+      const VF a = vload(src + 2 * t), b = vload(src + 2 * t + W);
+      // in each 128-bit half: t t+1 | t+4 t+5 (low half), t+2 t+3 | t+6 t+7 (high half)
+      const VF e = _mm256_shuffle_ps(a, b, 0x88), o = _mm256_shuffle_ps(a, b, 0xDD);
+      vstore(out + t, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(e), 0xD8)));
+      vstore(out + TTs + t, _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(o), 0xD8)));
+    }
+    return true;
+  }
+  if (ng == 4) {
+    const __m256i ord = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int t = 0; t < nt; t += W) {
+      const float* s = src + 4 * t;  // row k holds tokens t+2k (low half), t+2k+1 (high)
+      const VF r0 = vload(s), r1 = vload(s + W), r2 = vload(s + 2 * W), r3 = vload(s + 3 * W);
+      const VF l01 = _mm256_unpacklo_ps(r0, r1), h01 = _mm256_unpackhi_ps(r0, r1);
+      const VF l23 = _mm256_unpacklo_ps(r2, r3), h23 = _mm256_unpackhi_ps(r2, r3);
+      // group g: tokens t, t+2, t+4, t+6 | t+1, t+3, t+5, t+7 -> natural order
+      vstore(out + t, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(l01, l23, 0x44), ord));
+      vstore(out + TTs + t, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(l01, l23, 0xEE), ord));
+      vstore(out + 2 * TTs + t, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(h01, h23, 0x44), ord));
+      vstore(out + 3 * TTs + t, _mm256_permutevar8x32_ps(_mm256_shuffle_ps(h01, h23, 0xEE), ord));
+    }
+    return true;
+  }
+  const int n = (nt + W - 1) / W * W;
+  for (int t = 0; t < n; ++t)
+    for (int g = 0; g < ng; ++g) out[g * TTs + t] = src[(int64_t)t * ng + g];
+  return true;
+}
+
 // ---- integer vectors for the int8-query Q.K (see attn_body.h "integer Q.K") -------------
 // VI: 4W = 32 bytes (u8 codes or s8 query) or W int32 lanes.
 typedef __m256i VI;

@@ -655,43 +655,63 @@ static inline void decode_raw(const TileSrc& ts, int t, int u, VF* out) {
 }
 
 // acc[m] += sum_{t in [a,b)} P[m][t] V[t] for MB rows, V decoded in registers; DS decode
-// steps (DS*NV chunks) per pass.
+// steps (DS*NV chunks) per pass. U token sets: with U = 2 even and odd tokens go to their
+// own accumulators (summed at the end), so each accumulator's FMA chain is half as long.
+// Every accumulator is one dependency chain through the tile's tokens; with fewer than ~10
+// of them (AVX2 with 3 query rows: 6) the pass waits on FMA latency, not throughput.
 // FOLD (per-token / per-group / static scales of int and nuq values): the scale is folded
 // into the weight, acc += (P[m][t] * s[t][g]) * code, with PS[(m * ngs + g) * SL + t] =
 // P[m][t] * s[t][g] prepared by the caller, which also adds sum_t P[m][t] * z[t][g] once per
 // group (pv_fold_prepare / pv_fold_finish): one FMA per chunk less than decoding.
 template <int KIND, bool VEC, bool PERM, int MB, int DS, bool FOLD>
+static inline void pv_fused_token(const float* P, const TileSrc& ts, int t, int u0,
+                                  const int* goff, const float* PS, int ngs,
+                                  VF (&x)[MB][DS * (PERM ? 2 : 1)]) {
+  constexpr int NV = PERM ? 2 : 1;
+  VF v[DS][NV];
+  for (int k = 0; k < DS; ++k) {
+    if (FOLD) decode_raw<KIND, PERM>(ts, t, u0 + k, v[k]);
+    else decode_step<KIND, VEC, PERM>(ts, t, u0 + k, v[k]);
+  }
+  for (int mi = 0; mi < MB; ++mi) {
+    if (FOLD) {
+      const float* ps = PS + (int64_t)mi * ngs * SL + t;
+      for (int k = 0; k < DS; ++k) {
+        const VF p = vset(ps[goff[k]]);
+        for (int n = 0; n < NV; ++n) x[mi][k * NV + n] = vfma(p, v[k][n], x[mi][k * NV + n]);
+      }
+    } else {
+      const VF p = vset(P[mi * SL + t]);
+      for (int k = 0; k < DS; ++k)
+        for (int n = 0; n < NV; ++n) x[mi][k * NV + n] = vfma(p, v[k][n], x[mi][k * NV + n]);
+    }
+  }
+}
+
+template <int KIND, bool VEC, bool PERM, int MB, int DS, bool FOLD, int U>
 static inline void pv_fused_block(const float* P, const TileSrc& ts, int a, int b, int D,
                                   int u0, float* acc, const float* PS, int ngs) {
   constexpr int NV = PERM ? 2 : 1, DC = DS * NV;
   float* base = acc + (int64_t)u0 * NV * W;
-  VF x[MB][DC];
+  VF x[U][MB][DC];
   for (int mi = 0; mi < MB; ++mi)
-    for (int k = 0; k < DC; ++k) x[mi][k] = vload(base + (int64_t)mi * D + k * W);
+    for (int k = 0; k < DC; ++k) {
+      x[0][mi][k] = vload(base + (int64_t)mi * D + k * W);
+      for (int s = 1; s < U; ++s) x[s][mi][k] = vzero();
+    }
   int goff[DS];
   for (int k = 0; k < DS; ++k) goff[k] = FOLD ? (((u0 + k) * NV) >> ts.gshift) * SL : 0;
-  for (int t = a; t < b; ++t) {
-    VF v[DS][NV];
-    for (int k = 0; k < DS; ++k) {
-      if (FOLD) decode_raw<KIND, PERM>(ts, t, u0 + k, v[k]);
-      else decode_step<KIND, VEC, PERM>(ts, t, u0 + k, v[k]);
-    }
-    for (int mi = 0; mi < MB; ++mi) {
-      if (FOLD) {
-        const float* ps = PS + (int64_t)mi * ngs * SL + t;
-        for (int k = 0; k < DS; ++k) {
-          const VF p = vset(ps[goff[k]]);
-          for (int n = 0; n < NV; ++n) x[mi][k * NV + n] = vfma(p, v[k][n], x[mi][k * NV + n]);
-        }
-      } else {
-        const VF p = vset(P[mi * SL + t]);
-        for (int k = 0; k < DS; ++k)
-          for (int n = 0; n < NV; ++n) x[mi][k * NV + n] = vfma(p, v[k][n], x[mi][k * NV + n]);
-      }
-    }
-  }
+  int t = a;
+  for (; t + U <= b; t += U)
+    for (int s = 0; s < U; ++s)
+      pv_fused_token<KIND, VEC, PERM, MB, DS, FOLD>(P, ts, t + s, u0, goff, PS, ngs, x[s]);
+  for (; t < b; ++t) pv_fused_token<KIND, VEC, PERM, MB, DS, FOLD>(P, ts, t, u0, goff, PS, ngs, x[0]);
   for (int mi = 0; mi < MB; ++mi)
-    for (int k = 0; k < DC; ++k) vstore(base + (int64_t)mi * D + k * W, x[mi][k]);
+    for (int k = 0; k < DC; ++k) {
+      VF r = x[0][mi][k];
+      for (int s = 1; s < U; ++s) r = vadd(r, x[s][mi][k]);
+      vstore(base + (int64_t)mi * D + k * W, r);
+    }
 }
 
 template <int KIND, bool VEC, bool PERM, int MB, bool FOLD>
@@ -699,15 +719,22 @@ static void pv_fused(const float* P, const TileSrc& ts, int a, int b, int D, flo
                      const float* PS, int ngs) {
   // accumulators MB*DC + DC decoded chunks + 1 broadcast within the register file
   constexpr int NV = PERM ? 2 : 1;
+  constexpr int NREG = W >= 16 ? 32 : 16;  // vector registers
   constexpr int REGS = W >= 16 ? 28 : 14;
   constexpr int DC0 = REGS / (MB + 1);
-  constexpr int DC = DC0 >= 4 ? 4 : (DC0 < NV ? NV : DC0);
-  constexpr int DS = DC / NV;
+  constexpr int DC1 = DC0 >= 4 ? 4 : (DC0 < NV ? NV : DC0);
+  // two token sets when one would leave the FMAs latency-bound (< 10 chains) and both fit:
+  // 2 * MB * DC accumulators + DC decoded chunks + 1 broadcast
+  constexpr int DCU0 = (NREG - 1) / (2 * MB + 1);
+  constexpr int DCU = (DCU0 >= 4 ? 4 : DCU0) / NV * NV;
+  constexpr int U = (MB * (DC1 / NV) * NV < 10 && DCU >= NV && DCU >= 2) ? 2 : 1;
+  constexpr int DS = U == 2 ? DCU / NV : DC1 / NV;
   const int nsteps = D / W / NV;
   int u = 0;
   for (; u + DS <= nsteps; u += DS)
-    pv_fused_block<KIND, VEC, PERM, MB, DS, FOLD>(P, ts, a, b, D, u, acc, PS, ngs);
-  for (; u < nsteps; ++u) pv_fused_block<KIND, VEC, PERM, MB, 1, FOLD>(P, ts, a, b, D, u, acc, PS, ngs);
+    pv_fused_block<KIND, VEC, PERM, MB, DS, FOLD, U>(P, ts, a, b, D, u, acc, PS, ngs);
+  for (; u < nsteps; ++u)
+    pv_fused_block<KIND, VEC, PERM, MB, 1, FOLD, U>(P, ts, a, b, D, u, acc, PS, ngs);
 }
 
 // Row counts the fused kernels are instantiated for (M is padded up to one of them).
@@ -943,6 +970,7 @@ static inline void prefetch_fields(const kvq::Codec& c, const kvq::Region& r,
 // prep_segment writes them) -> out[g * TT + t] (entries t >= nt: whatever the gather reads
 // inside the scratch).
 static inline void transpose_tile(const float* src, int nt, int ng, float* out) {
+  if (vtranspose_groups(src, nt, ng, out, TT)) return;
   for (int g = 0; g < ng; ++g)
     for (int t = 0; t < nt; t += W) vstore(out + g * TT + t, vgather(src + (int64_t)t * ng + g, ng));
 }
