@@ -63,8 +63,8 @@ def run_engine(scenario: str, method: str, extra: str = "{}") -> dict:
 
 @pytest.fixture(scope="session")
 def servers():
-    """(method, model folder or None) -> base URL of a live `vllm-kvq serve`
-    (tests/serve_process.py); each starts on first use and stops at the end of the
+    """(method, model folder or None, extra serve flags) -> base URL of a live `vllm-kvq
+    serve` (tests/serve_process.py); each starts on first use and stops at the end of the
     session, so test files share them."""
     import contextlib
 
@@ -73,10 +73,11 @@ def servers():
     with contextlib.ExitStack() as stack:
         started = {}
 
-        def get(method: str, model: str | None = None) -> str:
-            if (method, model) not in started:
-                started[method, model] = stack.enter_context(server(method, model))
-            return started[method, model]
+        def get(method: str, model: str | None = None, extra: tuple[str, ...] = ()) -> str:
+            key = (method, model, tuple(extra))
+            if key not in started:
+                started[key] = stack.enter_context(server(method, model, tuple(extra)))
+            return started[key]
 
         yield get
 

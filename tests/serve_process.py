@@ -20,14 +20,17 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server(method: str, model: str | None = None):
-    """`vllm-kvq serve [model]` (default: the default model) with the tests' fixed settings."""
+def server(method: str, model: str | None = None, extra: tuple[str, ...] = ()):
+    """`vllm-kvq serve [model]` (default: the default model) with the tests' fixed settings,
+    then `extra` flags (e.g. --tensor-parallel-size 2: the thread binding is serve's job)."""
     port = free_port()
     exe = shutil.which("vllm-kvq") or os.path.join(os.path.dirname(sys.executable), "vllm-kvq")
     cmd = [exe, "serve", *([model] if model else []), "--kv-method", method, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len", "2048",
-           "--kv-cache-memory-bytes", str(256 << 20), "--api-key", API_KEY, "--seed", "0"]
-    name = f"kvq-serve-{method}" + (f"-{os.path.basename(model)}" if model else "")
+           "--kv-cache-memory-bytes", str(256 << 20), "--api-key", API_KEY, "--seed", "0",
+           *extra]
+    name = (f"kvq-serve-{method}" + (f"-{os.path.basename(model)}" if model else "") +
+            "".join(f"-{x.strip('-')}" for x in extra))
     with running(cmd, port, name) as base:
         yield base
 

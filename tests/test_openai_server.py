@@ -19,22 +19,28 @@ from vllm_kvq.tools.evaluate import GREEDY_PROMPTS
 pytestmark = pytest.mark.e2e
 # One server per model: SmolLM2 with a residual window (kivi2, also the OpenAI-API and
 # load-test server) and Gemma 3 (sliding-window layers, head_dim 256, one kv head) with
-# kivi2 given as a model folder. Every method's engine path (quality, capacity; nuq3 finding
-# its shipped calibration by itself) is covered by tests/test_engine_cache.py and
-# tests/test_gemma.py through the same engine; these prove the server wiring. (A nuq3
-# server was dropped for suite time: 41 s, the same wiring.)
-# (model, method, a word its greedy answer to GREEDY_PROMPTS[0] holds)
-SERVED = [("smollm2", "kivi2", "Paris"), ("gemma3", "kivi2", "France")]
+# kivi2 given as a model folder, served by two tensor-parallel ranks (its kv head
+# replicated on both; serve sets the CPU thread binding). Every method's engine path
+# (quality, capacity; nuq3 finding its shipped calibration by itself) is covered by
+# tests/test_engine_cache.py and tests/test_gemma.py through the same engine; these prove
+# the server wiring. (A nuq3 server was dropped for suite time: 41 s, the same wiring.)
+# (model, method, extra serve flags, a word its greedy answer to GREEDY_PROMPTS[0] holds)
+SERVED = [("smollm2", "kivi2", (), "Paris"),
+          ("gemma3", "kivi2", ("--tensor-parallel-size", "2"), "France")]
 
 
 def client(base: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0)
 
 
-@pytest.mark.parametrize("model,method,word", SERVED, ids=[f"{m}-{k}" for m, k, _ in SERVED])
-def test_every_method_serves_sensible_deterministic_text(model, method, word, servers):
+@pytest.mark.parametrize("model,method,extra,word", SERVED,
+                         ids=[f"{m}-{k}" + (f"-tp{e[1]}" if e else "") for m, k, e, _ in SERVED])
+def test_every_method_serves_sensible_deterministic_text(model, method, extra, word, servers):
     folder = None if model == "smollm2" else str(ensure_model(MODELS[model], verbose=False))
-    base = servers(method, folder)
+    base = servers(method, folder, extra)
+    tp = int(extra[1]) if extra else 1
+    cfg = httpx.get(f"{base}/kvq/config").json()
+    assert cfg["method"] == method and cfg["tensor_parallel_size"] == tp, cfg
     c = client(base)
     served = c.models.list().data[0].id
     texts = [c.completions.create(model=served, prompt=GREEDY_PROMPTS[0], max_tokens=12,
