@@ -74,9 +74,10 @@ def servers():
         started = {}
 
         def get(method: str, model: str | None = None, extra: tuple[str, ...] = ()) -> str:
-            key = (method, model, tuple(extra))
+            extra = tuple(extra)
+            key = (method, model, extra)
             if key not in started:
-                started[key] = stack.enter_context(server(method, model, tuple(extra)))
+                started[key] = stack.enter_context(server(method, model, extra))
             return started[key]
 
         yield get

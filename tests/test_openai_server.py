@@ -24,21 +24,20 @@ pytestmark = pytest.mark.e2e
 # (quality, capacity; nuq3 finding its shipped calibration by itself) is covered by
 # tests/test_engine_cache.py and tests/test_gemma.py through the same engine; these prove
 # the server wiring. (A nuq3 server was dropped for suite time: 41 s, the same wiring.)
-# (model, method, extra serve flags, a word its greedy answer to GREEDY_PROMPTS[0] holds)
-SERVED = [("smollm2", "kivi2", (), "Paris"),
-          ("gemma3", "kivi2", ("--tensor-parallel-size", "2"), "France")]
+# (model, method, tensor-parallel ranks, a word its greedy answer to GREEDY_PROMPTS[0] holds)
+SERVED = [("smollm2", "kivi2", 1, "Paris"),
+          ("gemma3", "kivi2", 2, "France")]
 
 
 def client(base: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{base}/v1", api_key=API_KEY, max_retries=0)
 
 
-@pytest.mark.parametrize("model,method,extra,word", SERVED,
-                         ids=[f"{m}-{k}" + (f"-tp{e[1]}" if e else "") for m, k, e, _ in SERVED])
-def test_every_method_serves_sensible_deterministic_text(model, method, extra, word, servers):
+@pytest.mark.parametrize("model,method,tp,word", SERVED,
+                         ids=[f"{m}-{k}" + (f"-tp{n}" if n > 1 else "") for m, k, n, _ in SERVED])
+def test_every_method_serves_sensible_deterministic_text(model, method, tp, word, servers):
     folder = None if model == "smollm2" else str(ensure_model(MODELS[model], verbose=False))
-    base = servers(method, folder, extra)
-    tp = int(extra[1]) if extra else 1
+    base = servers(method, folder, ("--tensor-parallel-size", str(tp)) if tp > 1 else ())
     cfg = httpx.get(f"{base}/kvq/config").json()
     assert cfg["method"] == method and cfg["tensor_parallel_size"] == tp, cfg
     c = client(base)

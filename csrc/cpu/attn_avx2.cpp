@@ -184,11 +184,12 @@ static inline VF vgather(const float* base, int stride) {
   return _mm256_i32gather_ps(base, idx, 4);
 }
 
-// Rows of ng floats (token-major, [t][g]) -> out[g * TT + t] for tokens [0, nt) rounded up to
-// W (the same reads as a gather). Zen 2 runs an 8-lane vpgatherdps in ~20 cycles, so the
-// two- and four-group cases (head_dim 64 / 128 in groups of 32) use in-lane shuffles and
-// the rest a scalar copy; true when handled.
-static inline bool vtranspose_groups(const float* src, int nt, int ng, float* out, int TTs) {
+// Rows of ng floats (token-major, [t][g]) -> out[g * kTileTokens + t] for tokens [0, nt)
+// rounded up to W (the same reads as a gather). Zen 2 runs an 8-lane vpgatherdps in ~20
+// cycles, so the two- and four-group cases (head_dim 64 / 128 in groups of 32) use in-lane
+// shuffles and the rest a scalar copy; true when handled.
+static inline bool vtranspose_groups(const float* src, int nt, int ng, float* out) {
+  constexpr int TTs = kTileTokens;  // out's row stride
   if (ng == 2) {
     for (int t = 0; t < nt; t += W) {
       const VF a = vload(src + 2 * t), b = vload(src + 2 * t + W);

@@ -195,7 +195,7 @@ static inline VF vgather(const float* base, int stride) {
 }
 
 // The gather does it (attn_body.h transpose_tile); the AVX2 path shuffles instead.
-static inline bool vtranspose_groups(const float*, int, int, float*, int) { return false; }
+static inline bool vtranspose_groups(const float*, int, int, float*) { return false; }
 
 // ---- integer vectors for the int8-query Q.K (see attn_body.h "integer Q.K") -------------
 // VI: 4W = 64 bytes (u8 codes or s8 query) or W int32 lanes.

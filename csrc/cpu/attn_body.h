@@ -723,11 +723,12 @@ static void pv_fused(const float* P, const TileSrc& ts, int a, int b, int D, flo
   constexpr int REGS = W >= 16 ? 28 : 14;
   constexpr int DC0 = REGS / (MB + 1);
   constexpr int DC1 = DC0 >= 4 ? 4 : (DC0 < NV ? NV : DC0);
+  constexpr int DC1R = DC1 / NV * NV;  // DC1 rounded to NV: chunks of one pass, one set
   // two token sets when one would leave the FMAs latency-bound (< 10 chains) and both fit:
-  // 2 * MB * DC accumulators + DC decoded chunks + 1 broadcast
+  // 2 * MB * DC accumulators + DC decoded chunks + 1 broadcast (DCU: a multiple of NV <= 2)
   constexpr int DCU0 = (NREG - 1) / (2 * MB + 1);
   constexpr int DCU = (DCU0 >= 4 ? 4 : DCU0) / NV * NV;
-  constexpr int U = (MB * (DC1 / NV) * NV < 10 && DCU >= NV && DCU >= 2) ? 2 : 1;
+  constexpr int U = (MB * DC1R < 10 && DCU >= 2) ? 2 : 1;
   constexpr int DS = U == 2 ? DCU / NV : DC1 / NV;
   const int nsteps = D / W / NV;
   int u = 0;
@@ -939,9 +940,11 @@ static void pv_tile(const float* P, int M, const float* V, const int* lo, const 
 }
 
 
-// The start of each stream (planes are in random order); the hardware prefetcher follows.
+// Every line of the next tile's streams. Planes are in random order and each tile reads
+// short runs of several streams (codes, scales, zeros of K and V), too short for the
+// hardware prefetcher to lock onto: prefetching only each run's start left a long-context
+// int4 decode reading ~2 GB/s per core.
 static inline void prefetch_rows(const uint8_t* p, int64_t n) {
-  n = n < 512 ? n : 512;
   for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(p + i);
 }
 
@@ -970,7 +973,7 @@ static inline void prefetch_fields(const kvq::Codec& c, const kvq::Region& r,
 // prep_segment writes them) -> out[g * TT + t] (entries t >= nt: whatever the gather reads
 // inside the scratch).
 static inline void transpose_tile(const float* src, int nt, int ng, float* out) {
-  if (vtranspose_groups(src, nt, ng, out, TT)) return;
+  if (vtranspose_groups(src, nt, ng, out)) return;
   for (int g = 0; g < ng; ++g)
     for (int t = 0; t < nt; t += W) vstore(out + g * TT + t, vgather(src + (int64_t)t * ng + g, ng));
 }
