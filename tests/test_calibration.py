@@ -258,15 +258,25 @@ def test_missing_wrong_version_and_foreign_files(tmp_path):
 
 
 # --- the shipped calibration ------------------------------------------------------------
-def test_shipped_file_loads_for_the_default_model():
-    from vllm_kvq.model_prep import MODEL_NAME, cache_root
+# model_prep's models: (source, dimensions, model_type, a layer of each kind)
+SHIPPED = {"smollm2": (SMOL, "llama", (0, 29)),
+           # Gemma 3: 5 sliding-window layers (rope theta 1e4) to every global one (1e6)
+           "gemma3": (dict(num_layers=18, num_kv_heads=1, head_dim=256), "gemma3_text",
+                      (0, 5, 17))}
 
-    path = default_calibration_path(cache_root() / "models" / MODEL_NAME)
+
+@pytest.mark.parametrize("model", list(SHIPPED))
+def test_shipped_file_loads_for_its_model(model):
+    from vllm_kvq.model_prep import MODELS, model_dir
+
+    dims, model_type, layers = SHIPPED[model]
+    path = default_calibration_path(model_dir(MODELS[model]))
     assert path is not None and path.is_file() and path.parent == SHIPPED_DIR
+    assert path.name == f"{MODELS[model].name}.safetensors"
     assert path.stat().st_size < 200_000
-    cal = load_calibration(path, model_type="llama", **SMOL)
+    cal = load_calibration(path, model_type=model_type, **dims)
     assert cal.meta["tokens"] >= 2048 and cal.meta["sensitivity"].startswith("fisher")
-    for layer in (0, 29):
+    for layer in layers:
         for side in "kv":
             for bits in (2, 3, 4):
                 for gran in ("token", "group32", "channel32", "token_o1"):
@@ -274,10 +284,41 @@ def test_shipped_file_loads_for_the_default_model():
                     assert lv.shape == (2 ** bits,) and (lv[1:] > lv[:-1]).all()
                     assert -1 <= lv.min() and lv.max() <= 1
             assert cal.outlier_threshold(layer, side) > 0
-    # found by hub name too, not for other models
-    assert default_calibration_path("HuggingFaceTB/SmolLM2-135M-Instruct") == path
+    # a folder of another name is recognized by model_prep's completion marker
+    other = SHIPPED[next(m for m in SHIPPED if m != model)]
+    with pytest.raises(CalibrationError, match="made for another model"):
+        load_calibration(path, model_type=other[1], **other[0])
+
+
+def test_shipped_files_are_found_by_name_marker_or_hub_name(tmp_path):
+    from vllm_kvq.model_prep import MARKER, MODELS, SMOLLM2
+
+    smol = default_calibration_path(f"/anywhere/{SMOLLM2.name}/")
+    assert smol == SHIPPED_DIR / f"{SMOLLM2.name}.safetensors"
+    assert default_calibration_path("HuggingFaceTB/SmolLM2-135M-Instruct") == smol
+    renamed = tmp_path / "my-gemma"
+    renamed.mkdir()
+    (renamed / MARKER).write_text(f"sha256 {MODELS['gemma3'].sha256}\n")
+    assert default_calibration_path(renamed) == SHIPPED_DIR / f"{MODELS['gemma3'].name}.safetensors"
+    assert default_calibration_path(tmp_path) is None  # no marker
     assert default_calibration_path("/models/Llama-3-8B") is None
     assert default_calibration_path(None) is None
+
+
+def test_calibration_windows_start_as_served_text_does():
+    """Gemma 3's tokenizer starts every text with <bos> (without it the model babbles):
+    each calibration window starts with it too, so the keys fitted are the ones served."""
+    from transformers import AutoTokenizer
+
+    from vllm_kvq.model_prep import GEMMA3, SMOLLM2, model_dir
+    from vllm_kvq.tools.corpus import calibration_windows
+
+    for source, head in ((GEMMA3, [2]), (SMOLLM2, [])):
+        tok = AutoTokenizer.from_pretrained(model_dir(source))
+        windows, _ = calibration_windows(tok, 2, 256)
+        assert [len(w) for w in windows] == [256, 256]
+        assert [w[:len(head)] for w in windows] == [head, head]
+        assert tok.encode("", add_special_tokens=True) == head  # and nothing else first
 
 
 def test_shipped_file_is_package_data():

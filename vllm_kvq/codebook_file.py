@@ -1,5 +1,6 @@
 """The nuq calibration file: what serving reads (the codebooks and outlier thresholds of
-`vllm-kvq calibrate`, vllm_kvq/tools/calibrate), and the file shipped for the default model.
+`vllm-kvq calibrate`, vllm_kvq/tools/calibrate), and the files shipped for the models that
+vllm_kvq.model_prep prepares.
 
 File: safetensors. Tensors `levels.<weighting>.<k|v>.<granularity>.b<bits>` [layers, 2^b]
 (ascending, within [-1, 1]), `outliers.<k|v>` [layers, fractions], `outlier_fractions`;
@@ -123,21 +124,22 @@ def load_calibration(path, *, num_layers: int, num_kv_heads: int, head_dim: int,
 
 
 def default_calibration_path(model_path_or_name) -> Path | None:
-    """The calibration shipped with the package for the default model (the folder that
-    model_prep makes, recognized by its name or its completion marker, or the model's hub
-    name), else None."""
-    from vllm_kvq.model_prep import GGUF_SHA256, MARKER, MODEL_NAME
+    """The calibration shipped with the package for a model that model_prep prepares
+    (SmolLM2, Gemma 3: its folder, recognized by its name or its completion marker) or for
+    the default model's hub name, else None."""
+    from vllm_kvq.model_prep import MARKER, MODELS, SMOLLM2
 
-    shipped = SHIPPED_DIR / f"{MODEL_NAME}.safetensors"
-    if model_path_or_name is None or not shipped.is_file():
+    if model_path_or_name is None:
         return None
     s = str(model_path_or_name).rstrip("/")
     p = Path(s)
-    if p.name == MODEL_NAME or s in DEFAULT_MODEL_NAMES:
-        return shipped
     try:
-        if GGUF_SHA256 in (p / MARKER).read_text():
-            return shipped
+        marker = (p / MARKER).read_text()
     except OSError:
-        pass
+        marker = ""
+    for source in MODELS.values():
+        shipped = SHIPPED_DIR / f"{source.name}.safetensors"
+        hub = DEFAULT_MODEL_NAMES if source is SMOLLM2 else ()
+        if shipped.is_file() and (p.name == source.name or s in hub or source.sha256 in marker):
+            return shipped
     return None

