@@ -26,6 +26,11 @@ N_WINDOWS, WINDOW = 3, 1024
 QUALITY_BUDGET = 1 << 30
 
 
+# the speculative-decoding scenario's prompt lengths: continuations that cross residual-chunk
+# boundaries (32: nuq3; 128: kivi2) at different offsets
+SPEC_PROMPT_LENS = (97, 180, 301, 444)
+
+
 def shared_prefix_prompts(windows):
     """Prompts sharing long prefixes (full blocks and a partial one) with distinct tails."""
     base = windows[0][:600]
@@ -112,11 +117,22 @@ def main(argv: list[str]):
             result["tokens"], result["margins"] = greedy_with_margins(
                 llm, [{"prompt_token_ids": p} for p in prompts], new_tokens, ignore_eos=True,
                 spans=result["spans"])
+        elif scenario == "spec":
+            # greedy continuations of real text, with or without speculative decoding
+            # (extra's speculative_config); margins from the run without it
+            prompts = [windows[i % 4][:n] for i, n in enumerate(SPEC_PROMPT_LENS[:seqs])]
+            result["tokens"], result["margins"] = greedy_with_margins(
+                llm, [{"prompt_token_ids": p} for p in prompts], new_tokens, ignore_eos=True,
+                margins="speculative_config" not in extra)
         else:
             raise SystemExit(f"unknown scenario {scenario}")
         stats = llm.llm_engine.get_metrics() if hasattr(llm.llm_engine, "get_metrics") else []
-        result["preemptions"] = sum(
-            getattr(m, "value", 0) for m in stats if m.name == "vllm:num_preemptions")
+        counters = {}
+        for m in stats:
+            counters[m.name] = counters.get(m.name, 0) + getattr(m, "value", 0)
+        result["preemptions"] = counters.get("vllm:num_preemptions", 0)
+        result["spec_draft_tokens"] = counters.get("vllm:spec_decode_num_draft_tokens", 0)
+        result["spec_accepted_tokens"] = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
     with open(out, "w") as f:
         json.dump(result, f)
 

@@ -18,13 +18,13 @@ class Sim:
     """A tiny engine: block tables, steps of mixed prefill/decode, one attention layer."""
 
     def __init__(self, name: str, num_blocks: int = 48, rows_per_block: int = 7,
-                 seed: int = 0):
+                 seed: int = 0, lookback: int = 0):
         self.fmt = parse_format(name)
         self.layout = self.fmt.layout(D, B)
         self.cache = ref.new_cache(num_blocks, H, self.layout)
         self.R = self.fmt.residual_chunk
         # a few rows per block, so that a window spans several blocks
-        self.windows = ResidualWindows(self.R, B, rows_per_block)
+        self.windows = ResidualWindows(self.R, B, rows_per_block, lookback)
         self.pool = torch.zeros(num_blocks, rows_per_block, 2, H, D, dtype=torch.bfloat16)
         # window blocks, handed out and taken back like vLLM's block manager does (LIFO)
         self.free = list(range(num_blocks - 1, 23, -1))
@@ -37,6 +37,11 @@ class Sim:
         v = torch.randn(n, H, D, generator=self.gen).to(torch.bfloat16)
         q = torch.randn(n, HQ, D, generator=self.gen).to(torch.bfloat16)
         return k, v, q
+
+    def reject(self, rid, accepted_len):
+        """Speculative decoding: the scheduler keeps the first accepted_len tokens; the next
+        step writes new ones over the rejected drafts' slots."""
+        self.history[rid] = tuple(x[:accepted_len] for x in self.history[rid])
 
     def release(self, rid):
         """The request finished or was preempted: vLLM takes its window blocks back."""
@@ -148,3 +153,72 @@ def test_missing_state_mid_chunk_is_an_error_not_garbage():
         windows.plan([12], [0, 2], [[3]], [[9]])  # resumes at 10 with nothing stored
     with pytest.raises(ResidualStateError, match="window blocks"):
         windows.plan([12], [0, 12], [[3]], [[]])  # vLLM gave it no window block
+
+
+# Speculative decoding (vLLM's n-gram proposer, num_speculative_tokens=4): a verification
+# step of 1 + 4 tokens per request; the scheduler then rolls back the rejected drafts.
+SPEC = 4
+
+
+@pytest.mark.parametrize("name", ["kivi2_k16_g16_r32", "int4_group32_r64"])
+def test_speculative_drafts_rolled_back_inside_a_quantized_chunk(name):
+    """A verification step completes a chunk with drafts in it and quantizes it; the drafts
+    are rejected; the next step resumes inside that chunk, with other tokens there. The
+    window's ring still holds the chunk's accepted rows, so every query sees exactly what
+    decoding one token at a time would: the accepted tokens quantized once their chunk is
+    complete again, the rest exact."""
+    sim = Sim(name, lookback=SPEC)
+    R = sim.R
+    a, b = [5, 2, 9], [7, 1, 3]
+    steps = [([("a", a, 0, R - 2), ("b", b, 0, 2 * R - 3)], {}),
+             # a crosses its first chunk boundary with drafts; b crosses the second
+             ([("a", a, R - 2, 1 + SPEC), ("b", b, 2 * R - 3, 1 + SPEC)], {"a": R - 1,
+                                                                           "b": 2 * R - 1}),
+             # a: only its own token accepted (chunk 0's last position was a draft)
+             ([("a", a, R - 1, 1 + SPEC), ("b", b, 2 * R - 1, 1 + SPEC)], {"a": R + 1,
+                                                                           "b": 2 * R + 4}),
+             ([("a", a, R + 1, 1), ("b", b, 2 * R + 4, 1 + SPEC)], {"b": 2 * R + 5}),
+             ([("a", a, R + 2, 1 + SPEC), ("b", b, 2 * R + 5, 1)], {"a": R + 2 + 1 + SPEC})]
+    for batch, accepted in steps:
+        assert max(sim.step(batch)) < 2e-2, batch
+        for rid, n in accepted.items():
+            sim.reject(rid, n)
+    assert sim.windows.num_blocks == -(-(R + SPEC) // 7)
+
+
+def test_speculative_rollback_crosses_a_block_boundary():
+    """Drafts that crossed into the sequence's next block are rejected: the window is still
+    trusted (the record knows the blocks its rows belong to), and the next step rewrites."""
+    sim = Sim("kivi2_k16_g16_r32", lookback=SPEC)
+    a = [5, 2, 9]
+    assert max(sim.step([("a", a, 0, B - 2)])) < 2e-2
+    assert max(sim.step([("a", a, B - 2, 1 + SPEC)])) < 2e-2   # writes into block 2
+    sim.reject("a", B - 1)
+    assert max(sim.step([("a", a, B - 1, 1 + SPEC)])) < 2e-2
+    sim.reject("a", B + 1)
+    assert max(sim.step([("a", a, B + 1, 1)])) < 2e-2
+
+
+def test_a_rollback_without_lookback_is_refused():
+    """Without the lookback rows (the window sized for R only), a rollback into a chunk
+    already quantized finds the window moved on: an error, never a wrong answer."""
+    sim = Sim("kivi2_k16_g16_r32")
+    R, a = sim.R, [5, 2, 9]
+    sim.step([("a", a, 0, R - 2)])
+    sim.step([("a", a, R - 2, 1 + SPEC)])
+    sim.reject("a", R - 1)
+    with pytest.raises(ResidualStateError, match="should be in its residual window"):
+        sim.step([("a", a, R - 1, 1 + SPEC)])
+
+
+def test_lookback_rows_do_not_change_plain_steps():
+    """Decode steps keep [c1, L) with or without lookback rows: the same staging rows are
+    gathered, quantized and kept (only their places in the longer ring differ)."""
+    plain, spec = (ResidualWindows(32, 64, 16, lookback) for lookback in (0, SPEC))
+    for seq_lens, qsl in (([20], [0, 20]), ([21], [0, 1]), ([40], [0, 19]), ([41], [0, 1])):
+        p0, p1 = (w.plan(seq_lens, qsl, [[3]], [[7, 8, 9]]) for w in (plain, spec))
+        assert (p0.pool_gather[0], p0.new_gather, p0.final_rows, p0.final_slots,
+                p0.keep[0]) == (p1.pool_gather[0], p1.new_gather, p1.final_rows,
+                                p1.final_slots, p1.keep[0])
+        L_prev = seq_lens[0] - qsl[1]
+        assert p1.pool_gather[2] == [p % (32 + SPEC) for p in range(L_prev // 32 * 32, L_prev)]

@@ -33,7 +33,8 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, Attentio
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, SlidingWindowSpec
 
 from vllm_kvq import ops, prefill
-from vllm_kvq.config import KVQConfig, config_from_vllm, layer_index, model_levels
+from vllm_kvq.config import (KVQConfig, config_from_vllm, layer_index, model_levels,
+                             speculative_tokens)
 from vllm_kvq.formats import SUPPORTED_HEAD_SIZES
 from vllm_kvq.residual import (WINDOW_BYTES, ResidualWindows, StepPlan, plan_tensors,
                                stage_and_write, window_dtype)
@@ -156,7 +157,8 @@ class KVQMetadataBuilder(AttentionMetadataBuilder[KVQMetadata]):
         self.device = device
         fmt, B = self.config.fmt, kv_cache_spec.block_size
         self.windows = (ResidualWindows(fmt.residual_chunk, B, fmt.window_rows_per_block(
-            kv_cache_spec.head_size, B, WINDOW_BYTES)) if fmt.residual_tokens else None)
+            kv_cache_spec.head_size, B, WINDOW_BYTES), speculative_tokens(vllm_config))
+            if fmt.residual_tokens else None)
         # Chunks of >= PREFILL_MIN_QUERY queries take the flash path (vllm_kvq.prefill) on the
         # CPU unless KVQ_FLASH_PREFILL=0; decodes and short chunks stay on the paged kernel,
         # and so do all of a sliding-window layer's (the kernel masks per row).

@@ -226,6 +226,14 @@ def config_from_vllm(vllm_config) -> KVQConfig:
 _PARSED: dict[tuple, KVQConfig] = {}
 
 
+def speculative_tokens(vllm_config) -> int:
+    """Draft tokens a speculative-decoding step may write and then roll back (vLLM's
+    num_speculative_tokens; 0 without speculative decoding): the residual window keeps
+    that many rows more (vllm_kvq.residual)."""
+    spec = getattr(vllm_config, "speculative_config", None)
+    return int(getattr(spec, "num_speculative_tokens", 0) or 0) if spec is not None else 0
+
+
 def resolve_calibration(cfg: KVQConfig, model: str | None) -> KVQConfig:
     """cfg with `calibration` set to an existing file: the given one, else the model's
     shipped default; FormatError (before any engine starts) when there is none."""

@@ -314,11 +314,16 @@ class KVFormat:
                                         block_size, head_dim, elem_bytes)
 
     def window_blocks_per_seq(self, head_dim: int, block_size: int,
-                              elem_bytes: int = 2) -> int:
-        """Pool blocks a running sequence's window takes (0 without a window)."""
+                              elem_bytes: int = 2, lookback: int = 0) -> int:
+        """Pool blocks a running sequence's window takes (0 without a window); lookback:
+        speculative draft tokens per step, which the window's ring also holds
+        (vllm_kvq.residual.window_rows)."""
         from vllm_kvq import _C
+        from vllm_kvq.residual import window_rows
+
+        rows = window_rows(self.residual_tokens, lookback) if self.residual_tokens else 0
         return _C.window_blocks_per_seq(self.layout(head_dim, block_size).token_bytes,
-                                        block_size, head_dim, self.residual_tokens, elem_bytes)
+                                        block_size, head_dim, rows, elem_bytes)
 
     def with_residual(self, residual_tokens: int) -> "KVFormat":
         suffix = self._name_flags

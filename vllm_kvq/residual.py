@@ -4,8 +4,10 @@ Tokens are quantized into vLLM's pages in aligned chunks of R tokens (R divides 
 size). Until its chunk is complete a token lives only in full precision, in its sequence's
 window: rows [rows_per_block, 2, H, D] (16 bits, window_dtype) of a few blocks that vLLM's
 own block manager gives every running request for as long as it runs
-(vllm_kvq.window_cache). Window row j of a sequence is row j % rows_per_block of its block
-j // rows_per_block. The plan names rows as (request, window row): layers whose windows sit
+(vllm_kvq.window_cache). The window is a ring of W = R + lookback rows: position p lives in
+window row p % W, row j % rows_per_block of the window's block j // rows_per_block
+(lookback = 0: row p - c1 of the chunk in progress). The plan names rows as (request,
+window row): layers whose windows sit
 in different KV-cache groups (vLLM splits a model's layers into groups of equal size) have
 different blocks, resolved per group by window_addresses(). Nothing is read from the pages' own bytes to decide validity: a window's
 blocks are not zeroed when a new request receives them.
@@ -14,8 +16,14 @@ Per step, `plan()` says for every request:
   - which staging rows to gather from its window (positions [c0, L_prev)) and from this
     step's new tokens (positions [L_prev, L)), where c0 = floor(L_prev/R)*R;
   - which staging rows complete chunks and are quantized into the pages (and at which slots);
-  - which staging rows stay in the window for the next step (positions [c1, L),
-    c1 = floor(L/R)*R).
+  - which staging rows stay in the window for the next step (positions [k1, L),
+    k1 = floor(max(L - lookback, L_prev + 1)/R)*R: with lookback = 0, c1 = floor(L/R)*R).
+Speculative decoding (lookback = vLLM's num_speculative_tokens): a verification step
+writes its drafts, and the scheduler rolls back the rejected ones; the next step starts at
+some L_prev' in [max(L_prev + 1, L - lookback), L] and may resume inside a chunk this step
+already quantized (its drafts now stale in the pages). The window still holds that chunk's
+rows exactly, so the chunk is quantized again, from the accepted tokens, once it is
+complete; until then every query reads it from staging.
 Attention reads positions < floor((p+1)/R)*R from the pages and the rest from staging, so
 every query sees exactly what a decode step at its position would see.
 
@@ -50,9 +58,9 @@ class StepPlan:
 @dataclass
 class _Record:
     blocks: tuple[int, ...]  # the window's blocks
-    block: int      # block id holding the sequence's last written token
-    chunk: int      # absolute position of the window's first row
-    count: int      # rows held
+    lo: int         # positions [lo, hi) are held, position p in window row p % W
+    hi: int
+    tail: dict      # block index -> the sequence's block id, for the blocks of [lo, hi)
 
 
 class ResidualWindows:
@@ -64,13 +72,18 @@ class ResidualWindows:
     the block holding the sequence's last token: a request that receives blocks some finished
     request held starts with an empty window (its computed prefix is block-aligned)."""
 
-    def __init__(self, residual_tokens: int, block_size: int, rows_per_block: int):
+    def __init__(self, residual_tokens: int, block_size: int, rows_per_block: int,
+                 lookback: int = 0):
+        """lookback: draft tokens a step may write and the next step roll back (vLLM's
+        num_speculative_tokens; 0 without speculative decoding)."""
         assert residual_tokens >= 1 and block_size % residual_tokens == 0
-        assert rows_per_block >= 1
+        assert rows_per_block >= 1 and lookback >= 0
         self.R = residual_tokens
         self.B = block_size
         self.rows = rows_per_block
-        self.num_blocks = -(-residual_tokens // rows_per_block)
+        self.lookback = lookback
+        self.W = window_rows(residual_tokens, lookback)
+        self.num_blocks = -(-self.W // rows_per_block)
         self.records: dict[int, _Record] = {}   # first window block -> what it holds
 
     def plan(self, seq_lens: list[int], query_start_loc: list[int], block_table,
@@ -78,7 +91,7 @@ class ResidualWindows:
         """block_table: indexable [S][max_blocks] (lists or a 2-D tensor); window_blocks:
         [S][num_blocks], each request's window blocks (of one layer: they identify the
         request's window; all its layers' windows are claimed and freed together)."""
-        R, B = self.R, self.B
+        R, B, W = self.R, self.B, self.W
         p = StepPlan()
         pg_rows, pg_blk, pg_brow = [], [], []
         nw_rows, nw_tok = [], []
@@ -102,9 +115,9 @@ class ResidualWindows:
                     f"request {s} has {len(win)} window blocks, the window needs "
                     f"{self.num_blocks}")
             rec = self.records.get(win[0]) if L_prev > 0 else None
-            if rec is not None and not (rec.blocks == win and rec.chunk == c0
-                                        and rec.count >= need
-                                        and rec.block == int(blocks[(L_prev - 1) // B])):
+            if rec is not None and not (rec.blocks == win and rec.lo <= c0 and L_prev <= rec.hi
+                                        and rec.tail.get((L_prev - 1) // B)
+                                        == int(blocks[(L_prev - 1) // B])):
                 rec = None
             finalize = True
             if need > 0 and rec is None:
@@ -120,10 +133,10 @@ class ResidualWindows:
             p.staging_pos0.append(c0)
             base = row
             if rec is not None:
-                for i in range(need):
-                    pg_rows.append(base + i)
+                for pos in range(c0, L_prev):
+                    pg_rows.append(base + pos - c0)
                     pg_blk.append(s)
-                    pg_brow.append(i)
+                    pg_brow.append(pos % W)
             row += need
             for i in range(q):
                 nw_rows.append(row + i)
@@ -134,18 +147,27 @@ class ResidualWindows:
                 for pos in range(c0, c1):
                     p.final_rows.append(base + pos - c0)
                     p.final_slots.append(int(blocks[pos // B]) * B + pos % B)
-            for pos in range(max(c1, L_prev), L):
-                j = pos - c1
+            # the next step starts at L_prev + 1 or later, and at most `lookback` drafts back
+            k1 = max(L - self.lookback, L_prev + 1) // R * R
+            for pos in range(max(k1, L_prev), L):
                 kp_rows.append(base + pos - c0)
                 kp_blk.append(s)
-                kp_brow.append(j)
-            updates.append((win, _Record(win, int(blocks[(L - 1) // B]), c1, L - c1)))
+                kp_brow.append(pos % W)
+            # held now: [k1, L). Rows of [k1, L_prev) (k1 >= c0 >= rec.lo) are in place
+            # from earlier steps; the next step's c0 is >= k1
+            tail = {i: int(blocks[i]) for i in range(k1 // B, (L - 1) // B + 1)}
+            updates.append((win, _Record(win, k1, L, tail)))
         for win, rec in updates:
             self.records[win[0]] = rec
         p.pool_gather = (pg_rows, pg_blk, pg_brow)
         p.new_gather = (nw_rows, nw_tok)
         p.keep = (kp_rows, kp_blk, kp_brow)
         return p
+
+
+def window_rows(residual_tokens: int, lookback: int = 0) -> int:
+    """Rows of a sequence's window ring: positions [k1, L) span at most R - 1 + lookback."""
+    return residual_tokens + lookback
 
 
 WINDOW_BYTES = 2  # bytes per stored value of the window, whatever the model's dtype

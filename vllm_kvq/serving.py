@@ -75,7 +75,7 @@ def kv_summary(vllm_config) -> dict[str, Any]:
         "kv_heads_per_rank": heads,
     }
     if uses_kvq(vllm_config):
-        from vllm_kvq.config import config_from_vllm
+        from vllm_kvq.config import config_from_vllm, speculative_tokens
         from vllm_kvq.residual import WINDOW_BYTES
 
         cfg = config_from_vllm(vllm_config)
@@ -83,7 +83,8 @@ def kv_summary(vllm_config) -> dict[str, Any]:
         per_head = fmt.bytes_per_token(head_dim, block_size)
         # A running sequence's window (16-bit whatever the model's dtype) takes whole blocks
         # of the pool (vllm_kvq.window_cache), only while it runs.
-        window_blocks = fmt.window_blocks_per_seq(head_dim, block_size, WINDOW_BYTES)
+        window_blocks = fmt.window_blocks_per_seq(head_dim, block_size, WINDOW_BYTES,
+                                                  lookback=speculative_tokens(vllm_config))
         window_per_seq = window_blocks * block_size * per_head["total"] * layers * heads
         out.update({
             "backend": "vllm_kvq", "method": fmt.name,

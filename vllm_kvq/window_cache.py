@@ -27,6 +27,7 @@ from vllm.v1.core.single_type_kv_cache_manager import CircularBufferManager
 from vllm.v1.kv_cache_interface import CircularBufferSpec, KVCacheLayout
 from vllm.v1.kv_cache_spec_registry import KVCacheSpecRegistry
 
+from vllm_kvq.config import speculative_tokens
 from vllm_kvq.formats import KVFormat
 from vllm_kvq.residual import window_addresses
 
@@ -157,7 +158,8 @@ class KVQWindowLayer(nn.Module, AttentionLayerBase):
         return KVQWindowSpec(block_size=B, num_kv_heads=self.num_kv_heads, head_size=D,
                              dtype=torch.uint8,
                              state_content_bytes=self.fmt.layout(D, B).token_bytes,
-                             window_blocks=self.fmt.window_blocks_per_seq(D, B, elem))
+                             window_blocks=self.fmt.window_blocks_per_seq(
+                                 D, B, elem, lookback=speculative_tokens(vllm_config)))
 
     @property
     def elem_bytes(self) -> int:

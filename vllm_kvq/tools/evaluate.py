@@ -76,23 +76,23 @@ def greedy(llm, prompts: list, max_tokens: int = 24) -> list[list[int]]:
 
 
 def greedy_with_margins(llm, prompts: list, max_tokens: int = 24, ignore_eos: bool = False,
-                        spans: list | None = None):
-    """Greedy tokens and, per step, the top-1 minus top-2 log-prob (how close a tie was).
-    spans: filled with each request's (first, last) generated-token engine timestamps (the
-    engine must log stats)."""
+                        spans: list | None = None, margins: bool = True):
+    """Greedy tokens and, per step, the top-1 minus top-2 log-prob (how close a tie was;
+    empty lists with margins=False). spans: filled with each request's (first, last)
+    generated-token engine timestamps (the engine must log stats)."""
     from vllm import SamplingParams
 
-    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=2,
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=2 if margins else None,
                         ignore_eos=ignore_eos, detokenize=False)
-    tokens, margins = [], []
+    tokens, tie_margins = [], []
     for o in llm.generate(prompts, sp, use_tqdm=False):
         tokens.append(list(o.outputs[0].token_ids))
         top2 = [sorted((x.logprob for x in step.values()), reverse=True)[:2]
-                for step in o.outputs[0].logprobs]
-        margins.append([a - b for a, b in top2])
+                for step in o.outputs[0].logprobs or []]
+        tie_margins.append([a - b for a, b in top2])
         if spans is not None:
             spans.append((o.metrics.first_token_ts, o.metrics.last_token_ts))
-    return tokens, margins
+    return tokens, tie_margins
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
