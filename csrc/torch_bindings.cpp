@@ -62,7 +62,8 @@ TORCH_LIBRARY(vllm_kvq, ops) {
       "paged_attention(Tensor(a!) out, Tensor query, Tensor cache, Tensor block_table, "
       "Tensor seq_lens, Tensor query_start_loc, Tensor staging_k, Tensor staging_v, "
       "Tensor staging_start_loc, Tensor staging_pos0, int residual_chunk, "
-      "int sliding_window, float softmax_scale, int[] k_codec, int[] v_codec, Tensor k_scale, "
+      "int sliding_window, float softmax_scale, float logits_soft_cap, int[] k_codec, "
+      "int[] v_codec, Tensor k_scale, "
       "Tensor v_scale, Tensor k_levels, Tensor v_levels) -> ()");
   ops.def(
       "dequantize_pages(Tensor cache, Tensor block_row, int num_tokens, int[] k_codec, "
@@ -81,11 +82,11 @@ TORCH_LIBRARY_IMPL(vllm_kvq, CPU, ops) {
            [](at::Tensor out, const at::Tensor& q, const at::Tensor& cache,
               const at::Tensor& bt, const at::Tensor& sl, const at::Tensor& qsl,
               const at::Tensor& sk, const at::Tensor& sv, const at::Tensor& ssl,
-              const at::Tensor& sp0, int64_t r, int64_t w, double scale, c10::IntArrayRef kc,
-              c10::IntArrayRef vc, const at::Tensor& ks, const at::Tensor& vs,
-              const at::Tensor& kl, const at::Tensor& vl) {
+              const at::Tensor& sp0, int64_t r, int64_t w, double scale, double cap,
+              c10::IntArrayRef kc, c10::IntArrayRef vc, const at::Tensor& ks,
+              const at::Tensor& vs, const at::Tensor& kl, const at::Tensor& vl) {
              kvq_cpu::paged_attention(out, q, cache, bt, sl, qsl, sk, sv, ssl, sp0, r, w, scale,
-                                      kc.vec(), vc.vec(), ks, vs, kl, vl);
+                                      cap, kc.vec(), vc.vec(), ks, vs, kl, vl);
            });
   ops.impl("dequantize_pages",
            [](const at::Tensor& cache, const at::Tensor& br, int64_t n, c10::IntArrayRef kc,

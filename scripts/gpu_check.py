@@ -160,7 +160,8 @@ class Ops:
         f = self.mod.paged_attention if self.mod else self.ops.paged_attention
         none = torch.empty(0, dtype=torch.float32, device=c["cache"].device)
         f(out, c["q"], c["cache"], c["bt"], c["sl"], c["qsl"], c["sk"], c["sv"], c["ssl"], c["sp0"],
-          c["R"], c["scale"], fmt.key.as_ints(), fmt.value.as_ints(), ks, vs, none, none)
+          c["R"], c["window"], c["scale"], c["soft_cap"], fmt.key.as_ints(), fmt.value.as_ints(),
+          ks, vs, none, none)
 
 
 class EmuOps(Ops):
@@ -182,8 +183,8 @@ class EmuOps(Ops):
 
     def attn(self, out, c, fmt, ks, vs):
         self.emu.paged_attention(out, c["q"], c["cache"], c["bt"], c["sl"], c["qsl"], c["sk"], c["sv"], c["ssl"],
-                                 c["sp0"], c["R"], c["scale"], fmt.key.as_ints(), fmt.value.as_ints(), ks, vs,
-                                 False, 0, 132)
+                                 c["sp0"], c["R"], c["window"], c["scale"], c["soft_cap"], fmt.key.as_ints(),
+                                 fmt.value.as_ints(), ks, vs, False, 0, 132)
 
 
 def build(args) -> Ops | None:

@@ -81,7 +81,8 @@ def main(argv: list[str]):
     # These CPUs lack AVX512-BF16: a bf16 model computes ~3x slower than fp32. The cache
     # format (bf16 baseline, quantized ones) is independent of the model's dtype.
     extra.setdefault("dtype", "float32")
-    model = str(ensure_model(MODELS[extra.pop("model", "smollm2")], verbose=False))
+    model = extra.pop("model", "smollm2")  # a model_prep name, or a folder (tests/tiny_models)
+    model = model if os.path.isdir(model) else str(ensure_model(MODELS[model], verbose=False))
     inputs = session_inputs(os.path.dirname(out), model, n_windows, window)
     windows = inputs["windows"]
     if scenario == "quality":  # run_method starts it without a tokenizer (ids only)

@@ -154,7 +154,8 @@ def _case(fmt, D, Hq, H, B, qlens, ctx, dtype, seed):
 def _run(emu, fmt, c, force_generic=False, part_tokens=0, num_sms=132):
     out = torch.full_like(c["q"], float("nan"))
     emu.paged_attention(out, c["q"], c["cache"], c["bt"], c["sl"], c["qsl"], c["sk"], c["sv"],
-                        c["ssl"], c["sp0"], c["R"], c["window"], c["scale"], fmt.key.as_ints(),
+                        c["ssl"], c["sp0"], c["R"], c["window"], c["scale"], c["soft_cap"],
+                        fmt.key.as_ints(),
                         fmt.value.as_ints(), c["ks"], c["vs"], force_generic, part_tokens,
                         num_sms)
     return out.float()
@@ -219,6 +220,29 @@ def test_sliding_window(emu, name, D, W):
     assert (c["bt"][0, :2] == 0).all()
     got = _run(emu, fmt, c)
     assert (got - c["expected"]).abs().max() <= _tol(torch.bfloat16, c["expected"])
+
+
+@pytest.mark.parametrize("name,D,cap", [("int4_group32", 128, 2.0), ("kivi2", 64, 5.0),
+                                        ("bf16", 256, 5.0)])
+def test_logit_soft_capping(emu, name, D, cap):
+    """Gemma 2's logit soft-capping (x -> c tanh(x / c)) in the decode kernel (paged and
+    staging rows) and the generic one (prefill chunks), with a cap small enough to bend
+    most logits of these scaled-up queries."""
+    fmt = parse_format(name)
+    Hq, H = (4, 1) if D == 256 else (6, 2)
+    c = attention_case(fmt, D, Hq, H, _block(fmt), [1, 24, 1], [300, 70, 129],
+                       torch.bfloat16, 5, spare_blocks=2, soft_cap=cap, expected=False)
+    c["q"] = (c["q"].float() * 4).to(torch.bfloat16)
+    want = ref.paged_attention(c["q"], c["cache"], c["bt"], c["sl"], c["qsl"], fmt, c["lay"],
+                               c["scale"], c["ks"] if fmt.key.static_scale else None,
+                               c["vs"] if fmt.value.static_scale else None, c["sk"], c["sv"],
+                               c["ssl"], c["sp0"], logits_soft_cap=cap).float()
+    plain = ref.paged_attention(c["q"], c["cache"], c["bt"], c["sl"], c["qsl"], fmt, c["lay"],
+                                c["scale"], None, None, c["sk"], c["sv"], c["ssl"],
+                                c["sp0"]).float()
+    assert (want - plain).abs().max() > 0.05  # the cap matters here
+    got = _run(emu, fmt, c)
+    assert (got - want).abs().max() <= _tol(torch.bfloat16, want)
 
 
 @pytest.mark.parametrize("name", cases(NAMES, ["kivi2"]))

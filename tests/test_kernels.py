@@ -269,7 +269,7 @@ SEQS = [(40, 40), (90, 25), (20, 0), (61, 1), (270, 30), (300, 1)]
 
 
 def build_case(name, D, B, gq, H, dtype, seqs=SEQS, seed=0, kind="normal", extra_rows=3,
-               levels=(None, None), tokens=None, window=0):
+               levels=(None, None), tokens=None, window=0, soft_cap=0.0):
     """The shared case (vllm_kvq.tools.paged_attention_case.attention_case: cache written
     by the reference, byte-identical to ops.write_cache as tested above; staging rows for
     positions >= floor((first+1)/R)*R; shuffled block tables, unused entries past the
@@ -295,7 +295,7 @@ def build_case(name, D, B, gq, H, dtype, seqs=SEQS, seed=0, kind="normal", extra
     case = dict(fmt=fmt, lay=c["lay"], query=c["q"], cache=c["cache"], block_table=c["bt"],
                 seq_lens=c["sl"], query_start_loc=c["qsl"], softmax_scale=c["scale"],
                 k_scale=scales[0], v_scale=scales[1], k_levels=levels[0], v_levels=levels[1],
-                window=window)
+                window=window, soft_cap=soft_cap)
     if fmt.residual_chunk > 1:
         case.update(staging_k=c["sk"], staging_v=c["sv"], staging_start_loc=c["ssl"],
                     staging_pos0=c["sp0"])
@@ -307,7 +307,8 @@ def run_ref(c):
         c["query"], c["cache"], c["block_table"], c["seq_lens"], c["query_start_loc"],
         c["fmt"], c["lay"], c["softmax_scale"], c["k_scale"], c["v_scale"],
         c.get("staging_k"), c.get("staging_v"), c.get("staging_start_loc"),
-        c.get("staging_pos0"), c.get("k_levels"), c.get("v_levels"), c.get("window", 0))
+        c.get("staging_pos0"), c.get("k_levels"), c.get("v_levels"), c.get("window", 0),
+        c.get("soft_cap", 0.0))
 
 
 # --- the int8 query of int keys ------------------------------------------------------------
@@ -392,7 +393,10 @@ def run_ref_int8q(c):
                 if Ks is not None:
                     lg = torch.cat([lg, Ks[h].double() @ x.double()])
                 lo = max(0, p - c["window"] + 1) if c.get("window") else 0  # keys (p - W, p]
-                out[q0 + i, hq] = torch.softmax(lg[lo:] / LOG2E, 0).float() @ Vp[h, lo:]
+                lg = lg[lo:] / LOG2E
+                if c.get("soft_cap"):
+                    lg = c["soft_cap"] * torch.tanh(lg / c["soft_cap"])
+                out[q0 + i, hq] = torch.softmax(lg, 0).float() @ Vp[h, lo:]
     return out.to(query.dtype)
 
 
@@ -421,7 +425,7 @@ def run_mine(c, path=None, **over):
             args["v_scale"], args.get("staging_k"), args.get("staging_v"),
             args.get("staging_start_loc"), args.get("staging_pos0"), out=sentinel,
             k_levels=args.get("k_levels"), v_levels=args.get("v_levels"),
-            sliding_window=args.get("window", 0))
+            sliding_window=args.get("window", 0), logits_soft_cap=args.get("soft_cap", 0.0))
     n = int(args["query_start_loc"][-1])
     assert torch.all(out[n:] == 7.0), "rows past query_start_loc[-1] must be left untouched"
     return out[:n]
@@ -588,6 +592,45 @@ def test_positions_outside_the_window_change_nothing(name):
     assert not torch.equal(a["cache"], b["cache"])
     for path in PATHS:
         assert torch.equal(run_mine(a, path), run_mine(b, path)), path
+
+
+# Logit soft-capping (Gemma 2's attn_logit_softcapping = 50): each logit x becomes
+# c * tanh(x / c) before the softmax. A small cap (2, 5) bends most logits of these random
+# keys, so a kernel that skipped or misplaced it is far off; decodes (fused and int8-query
+# paths), prefill tiles, staging rows, a sliding window, a codebook, every SIMD path.
+SOFTCAP_CASES = [("bf16", 64, 3, 2, 5.0, 0, torch.float32),
+                 ("int4_group32", 128, 4, 2, 2.0, 0, torch.bfloat16),
+                 ("kivi2", 64, 3, 2, 5.0, 0, torch.float32),
+                 ("int8_token", 256, 4, 1, 2.0, 512, torch.float32),
+                 ("nuq3", 256, 4, 1, 5.0, 512, torch.bfloat16),
+                 ("fp8_e4m3", 128, 2, 2, 50.0, 0, torch.float32)]
+
+
+@pytest.mark.parametrize("name,D,gq,H,cap,W,dtype", SOFTCAP_CASES,
+                         ids=[f"{c[0]}-D{c[1]}-cap{c[4]:g}-W{c[5]}" for c in SOFTCAP_CASES])
+def test_logit_soft_capping(name, D, gq, H, cap, W, dtype):
+    fmt = parse_format(name)
+    B = max(64, fmt.residual_chunk)
+    levels = tuple(reference.uniform_levels(x.bits) if x.encoding == "nuq" else None
+                   for x in (fmt.key, fmt.value))
+    seqs = WINDOW_SEQS if W else SEQS
+    c = build_case(name, D, B, gq=gq, H=H, dtype=dtype, seqs=seqs, seed=int(cap) + D,
+                   levels=levels, window=W, soft_cap=cap)
+    # logits large enough that the cap matters: keys and queries scaled up
+    c["query"] = (c["query"].float() * 4).to(dtype)
+    ref = run_refs(c)
+    plain = run_ref(dict(c, soft_cap=0.0))
+    if cap < 50:
+        assert not torch.allclose(ref[0] if isinstance(ref, list) else ref, plain, atol=5e-2)
+    for path in PATHS:
+        assert_attn_close(run_mine(c, path), ref, dtype, what=f"{name} cap={cap} {path}")
+
+
+def test_soft_cap_argument_errors():
+    c = build_case("int8_token", 64, 64, gq=3, H=2, dtype=torch.float32, seqs=[(70, 1)])
+    for bad in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="logits_soft_cap=.* is not allowed"):
+            run_mine(c, soft_cap=bad)
 
 
 def test_sliding_window_argument_errors():

@@ -193,7 +193,6 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
         self.fmt = self.config.fmt
         problems = {
             "alibi_slopes": alibi_slopes is not None,
-            "logits_soft_cap": bool(logits_soft_cap),
             f"attn_type={attn_type}": attn_type != AttentionType.DECODER,
             "kv_sharing_target_layer_name": kv_sharing_target_layer_name is not None,
             f"kv_cache_dtype={kv_cache_dtype}": kv_cache_dtype != "auto",
@@ -203,9 +202,11 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
         if bad:
             raise NotImplementedError(
                 f"vllm-kvq's backend does not support {', '.join(bad)} (decoder-only "
-                f"full or sliding-window attention with kv_cache_dtype=auto; choose the "
-                f"format with --additional-config kvq.method)")
+                f"full or sliding-window attention, logit soft-capping or not, with "
+                f"kv_cache_dtype=auto; choose the format with --additional-config "
+                f"kvq.method)")
         self.sliding_window = ops.sliding_window_for(self.fmt, sliding_window)
+        self.logits_soft_cap = ops.soft_cap_for(logits_soft_cap)
         self.num_heads = num_heads
         self.head_size = head_size
         self.scale = float(scale)
@@ -229,7 +230,8 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
             kl, vl = self.all_levels[idx]
         return ops.LayerOps(self.fmt, self.num_kv_heads, self.head_size, device,
                             k_scale=self.config.k_scale, v_scale=self.config.v_scale,
-                            k_levels=kl, v_levels=vl, sliding_window=self.sliding_window)
+                            k_levels=kl, v_levels=vl, sliding_window=self.sliding_window,
+                            logits_soft_cap=self.logits_soft_cap)
 
     def process_weights_after_loading(self, act_dtype: torch.dtype) -> None:
         """Register the residual window's storage layer beside this one, before vLLM asks the

@@ -20,6 +20,8 @@ and the staging rows and rotates the output back. The kernels themselves never s
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from vllm_kvq import rotation
@@ -201,7 +203,8 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
                     staging_start_loc: torch.Tensor | None = None,
                     staging_pos0: torch.Tensor | None = None,
                     out: torch.Tensor | None = None, k_levels=None,
-                    v_levels=None, sliding_window: int = 0) -> torch.Tensor:
+                    v_levels=None, sliding_window: int = 0,
+                    logits_soft_cap: float = 0.0) -> torch.Tensor:
     """Causal attention of a mixed batch over the quantized paged cache (see reference.py).
 
     query [T, Hq, D]; block_table int32 [S, max_blocks]; seq_lens int32 [S] (incl. this
@@ -211,6 +214,7 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
     (pos - staging_pos0[s]); with R == 1 staging is not used (may be None).
     k_levels/v_levels: codebooks of nuq codecs (as write_cache). sliding_window W > 0: a
     query at position p sees keys (p - W, p] only; earlier blocks are never read.
+    logits_soft_cap c > 0: each logit x becomes c * tanh(x / c) (Gemma 2).
     """
     _check_float("query", query)
     if query.dim() != 3:
@@ -286,7 +290,8 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
     _ops().paged_attention(dst, query, cache, block_table, seq_lens, query_start_loc,
                            staging_k, staging_v, staging_start_loc, staging_pos0, R,
                            sliding_window_for(fmt, sliding_window), softmax_scale,
-                           fmt.key.as_ints(), fmt.value.as_ints(), ks, vs, kl, vl)
+                           soft_cap_for(logits_soft_cap), fmt.key.as_ints(),
+                           fmt.value.as_ints(), ks, vs, kl, vl)
     if rot is not None:
         n = int(query_start_loc[-1])  # only the rows the kernel wrote
         out[:n] = rotation.unrotate(dst[:n], rot)
@@ -310,6 +315,16 @@ def sliding_window_for(fmt: KVFormat, sliding_window: int | None) -> int:
     return W
 
 
+def soft_cap_for(logits_soft_cap: float | None) -> float:
+    """The layer's logit soft-cap c (0.0: none), checked once: each logit x becomes
+    c * tanh(x / c) (Gemma 2's attn_logit_softcapping)."""
+    c = float(logits_soft_cap or 0.0)
+    if not (c >= 0.0 and math.isfinite(c)):
+        _fail(f"logits_soft_cap={logits_soft_cap} is not allowed; allowed: a finite value > 0, "
+              f"or 0 / None for none")
+    return c
+
+
 class LayerOps:
     """One attention layer's kernels with everything but the step's tensors resolved once.
 
@@ -322,7 +337,7 @@ class LayerOps:
 
     def __init__(self, fmt: KVFormat, num_kv_heads: int, head_dim: int, device,
                  k_scale=None, v_scale=None, k_levels=None, v_levels=None,
-                 sliding_window: int | None = None):
+                 sliding_window: int | None = None, logits_soft_cap: float | None = None):
         if head_dim not in SUPPORTED_HEAD_SIZES:
             _fail(f"head_dim={head_dim} is not allowed; allowed: "
                   f"{', '.join(map(str, SUPPORTED_HEAD_SIZES))}")
@@ -330,6 +345,7 @@ class LayerOps:
         self.fmt = fmt
         self.residual_chunk = fmt.residual_chunk
         self.sliding_window = sliding_window_for(fmt, sliding_window)
+        self.logits_soft_cap = soft_cap_for(logits_soft_cap)
         self.k_codec, self.v_codec = fmt.key.as_ints(), fmt.value.as_ints()
         H = num_kv_heads
         self.k_scale = _static_scales(k_scale, fmt.key, H, "k_scale", device)
@@ -379,8 +395,10 @@ class LayerOps:
 
     def _attend(self, query, cache, block_table, seq_lens, query_start_loc, softmax_scale,
                 out, staging_k, staging_v, staging_start_loc, staging_pos0, split):
-        # sliding-window layers: the paged kernel for prefills too (it masks per row)
-        if split is None or query.device.type != "cpu" or self.sliding_window:
+        # sliding-window and soft-capped layers: the paged kernel for prefills too (it masks
+        # per row and caps the logits; torch's flash attention does neither)
+        if (split is None or query.device.type != "cpu" or self.sliding_window
+                or self.logits_soft_cap):
             return self._kernel(query, cache, block_table, seq_lens, query_start_loc,
                                 softmax_scale, out, staging_k, staging_v, staging_start_loc,
                                 staging_pos0)
@@ -407,7 +425,7 @@ class LayerOps:
         self._ops.paged_attention(out, query, cache, block_table, seq_lens, query_start_loc,
                                   staging_k, staging_v, staging_start_loc, staging_pos0,
                                   self.residual_chunk, self.sliding_window, softmax_scale,
-                                  self.k_codec,
+                                  self.logits_soft_cap, self.k_codec,
                                   self.v_codec, self.k_scale, self.v_scale, self.k_levels,
                                   self.v_levels)
         return out

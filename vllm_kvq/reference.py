@@ -445,7 +445,8 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
                     staging_v: torch.Tensor | None = None,
                     staging_start_loc: torch.Tensor | None = None,
                     staging_pos0: torch.Tensor | None = None,
-                    k_levels=None, v_levels=None, sliding_window: int = 0) -> torch.Tensor:
+                    k_levels=None, v_levels=None, sliding_window: int = 0,
+                    logits_soft_cap: float = 0.0) -> torch.Tensor:
     """Causal attention of a mixed batch (prefills, chunks, decodes) over a paged cache.
 
     query [T, Hq, D]; block_table [S, max_blocks]; seq_lens [S] (including this step's
@@ -453,7 +454,8 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
     staging_k/v [Ns, Hk, D], request s's rows start at staging_start_loc[s] and hold
     positions staging_pos0[s].. seq_lens[s]-1. sliding_window W > 0: a query at position p
     sees keys (p - W, p] only (vLLM's convention); blocks wholly before every query's window
-    are not read (vLLM puts its null block there).
+    are not read (vLLM puts its null block there). logits_soft_cap c > 0 (Gemma 2): each
+    logit x = softmax_scale * q.k becomes c * tanh(x / c) before the softmax.
     """
     T, Hq, D = query.shape
     rot = rotation.matrix(D, "cpu") if fmt.rotation != "none" else None
@@ -492,6 +494,8 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
             for hq in range(Hq):
                 h = hq // (Hq // H)
                 logits = (Kp[h, lo:] @ query[q0 + i, hq].to(torch.float32)) * softmax_scale
+                if logits_soft_cap:
+                    logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
                 out[q0 + i, hq] = torch.softmax(logits, 0) @ Vp[h, lo:]
     if rot is not None:  # the kernels' output is rounded to the query dtype, then rotated back
         return rotation.unrotate(out.to(dtype), rot)

@@ -109,7 +109,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      const at::Tensor& query_start_loc, const at::Tensor& staging_k,
                      const at::Tensor& staging_v, const at::Tensor& staging_start_loc,
                      const at::Tensor& staging_pos0, int64_t residual_chunk,
-                     int64_t sliding_window, double softmax_scale,
+                     int64_t sliding_window, double softmax_scale, double logits_soft_cap,
                      const std::vector<int64_t>& k_codec, const std::vector<int64_t>& v_codec,
                      const at::Tensor& k_scale, const at::Tensor& v_scale,
                      const at::Tensor& k_levels, const at::Tensor& v_levels) {
@@ -143,6 +143,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   const int W = (int)sliding_window;
   // staging holds the last < R positions of a query, which must all be inside its window
   TORCH_CHECK(W == 0 || R <= W, "residual_chunk ", R, " must not exceed sliding_window ", W);
+  TORCH_CHECK(logits_soft_cap >= 0 && std::isfinite(logits_soft_cap), "logits_soft_cap ",
+              logits_soft_cap, " must be finite and >= 0 (0: none)");
   const int32_t qdt = dtype_of(query, "query");
 
   const std::vector<int32_t> sl = to_i32(seq_lens, "seq_lens");
@@ -303,6 +305,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   P.s_dtype = sdt;
   P.Hq = Hq; P.H = H; P.D = D; P.B = B; P.R = R; P.gq = gq; P.window = W;
   P.scale_log2 = (float)(softmax_scale * 1.4426950408889634);
+  P.softcap_log2 = (float)(logits_soft_cap * 1.4426950408889634);
   P.kc = kc; P.vc = vc; P.lay = lay;
   P.k_scale = ks.data(); P.v_scale = vs.data();
   P.k_levels = klev.empty() ? nullptr : klev.data();

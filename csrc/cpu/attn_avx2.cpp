@@ -21,6 +21,7 @@ static inline void vstore(float* p, VF v) { _mm256_storeu_ps(p, v); }
 static inline VF vadd(VF a, VF b) { return _mm256_add_ps(a, b); }
 static inline VF vsub(VF a, VF b) { return _mm256_sub_ps(a, b); }
 static inline VF vmul(VF a, VF b) { return _mm256_mul_ps(a, b); }
+static inline VF vdiv(VF a, VF b) { return _mm256_div_ps(a, b); }
 static inline VF vfma(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
 static inline VF vmax(VF a, VF b) { return _mm256_max_ps(a, b); }
 static inline VF vmin(VF a, VF b) { return _mm256_min_ps(a, b); }

@@ -25,6 +25,7 @@ static inline void vstore(float* p, VF v) { _mm512_storeu_ps(p, v); }
 static inline VF vadd(VF a, VF b) { return _mm512_add_ps(a, b); }
 static inline VF vsub(VF a, VF b) { return _mm512_sub_ps(a, b); }
 static inline VF vmul(VF a, VF b) { return _mm512_mul_ps(a, b); }
+static inline VF vdiv(VF a, VF b) { return _mm512_div_ps(a, b); }
 static inline VF vfma(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
 static inline VF vmax(VF a, VF b) { return _mm512_max_ps(a, b); }
 static inline VF vmin(VF a, VF b) { return _mm512_min_ps(a, b); }

@@ -2,7 +2,7 @@
 // included) by attn_avx512.cpp / attn_avx2.cpp / attn_scalar.cpp inside their own
 // namespace, after they define the vector primitives:
 //
-//   W (lanes), VF, vzero, vset, vload, vstore, vadd, vsub, vmul, vfma(a,b,c)=a*b+c,
+//   W (lanes), VF, vzero, vset, vload, vstore, vadd, vsub, vmul, vdiv, vfma(a,b,c)=a*b+c,
 //   vmax(a,b) (b when either is NaN), vmin, vhmax, vhsum, vexp2,
 //   vreduce(const VF a[W]) -> lane k = sum of a[k]'s lanes,
 //   ld_f16 / ld_bf16 (W halves), ld_u8 (W bytes), ld_u4 (W/2 bytes), ld_u2 (W/4 bytes),
@@ -840,13 +840,26 @@ static void qk_tile(const float* Q, int M, const float* K, int nt, int D, float*
 }
 
 // ---- online softmax over one tile: S becomes P ------------------------------------------
+// Logit soft-capping (Gemma 2), in the log2 domain: x -> c tanh(x / c) with c = cap * log2 e
+// (so it commutes with the log2 scaling), tanh(y) = 1 - 2 / (e^2y + 1). Every lane of the
+// row: entries outside a row's valid range are never used.
+static inline void soft_cap_row(float* s, int nch, float c) {
+  const VF vc = vset(c), k = vset(2.0f * 1.4426950408889634f / c), one = vset(1.0f),
+           two = vset(2.0f);
+  for (int i = 0; i < nch; ++i) {
+    const VF e = vexp2(vmul(vload(s + i * W), k));
+    vstore(s + i * W, vmul(vc, vsub(one, vdiv(two, vadd(e, one)))));
+  }
+}
+
 static void softmax_tile(float* S, int M, int nt, const int* lo, const int* hi, float* mrow,
-                         float* lrow, float* acc, int D) {
+                         float* lrow, float* acc, int D, float cap) {
   const int nch = (nt + W - 1) / W;
   for (int m = 0; m < M; ++m) {
     float* s = S + m * SL;
     const int a = lo[m], b = hi[m];
     if (a >= b) continue;
+    if (cap > 0.0f) soft_cap_row(s, nch, cap);
     const bool full = a == 0 && b == nt && nt % W == 0;
     float mx;
     if (full) {
@@ -1192,7 +1205,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
       with_kind(P.kc, false, [&](auto k) { decode_tile_kind(k, ks, nt, D, KV); });
       qk_tile(Q, M, KV, nt, D, S);
     }
-    softmax_tile(S, M, nt, lo, hi, mrow, lrow, acc, D);
+    softmax_tile(S, M, nt, lo, hi, mrow, lrow, acc, D, P.softcap_log2);
     int nvc = 0;
     for (int k = 0; k < ns; ++k)
       prep_segment(P.vc, P.lay.v, segs[k].plane, segs[k].off, segs[k].cnt, segs[k].at, D, vst,
@@ -1285,7 +1298,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
         hi[m] = iclamp(pq[m / gq] + 1 - j, 0, nt);
       }
       qk_tile(Q, M, KV, nt, D, S);
-      softmax_tile(S, M, nt, lo, hi, mrow, lrow, acc, D);
+      softmax_tile(S, M, nt, lo, hi, mrow, lrow, acc, D, P.softcap_log2);
       for (int t = 0; t < nt; ++t)
         load_row_f(P.sv, P.s_dtype, (T.stg_base + j + t) * P.sv_st + (int64_t)T.h * P.sv_sh, D,
                    1.0f, KV + (int64_t)t * D);

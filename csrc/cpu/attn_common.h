@@ -35,6 +35,7 @@ struct AttnParams {
   int32_t Hq, H, D, B, R, gq;
   int32_t window;           // sliding window W (0: none): a query at p reads keys > p - W
   float scale_log2;         // softmax_scale * log2(e): logits live in the log2 domain
+  float softcap_log2;       // logits_soft_cap * log2(e) (0: none): logit x -> c tanh(x / c)
   kvq::Codec kc, vc;
   kvq::Layout lay;
   const float* k_scale;     // [H] static scales (1.0 when unused)

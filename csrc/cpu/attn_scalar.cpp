@@ -28,6 +28,7 @@ static inline void vstore(float* p, VF v) { memcpy(p, v.v, sizeof(v.v)); }
 KVQ_EW(vadd, x + y)
 KVQ_EW(vsub, x - y)
 KVQ_EW(vmul, x * y)
+KVQ_EW(vdiv, x / y)
 KVQ_EW(vmax, (x > y ? x : y))  // like maxps: y when either is NaN
 KVQ_EW(vmin, (x < y ? x : y))
 #undef KVQ_EW

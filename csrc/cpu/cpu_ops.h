@@ -17,12 +17,13 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& cac
 // query_start_loc int32 [S+1]; staging_k/v [Ns, H, D] (dtype of query);
 // staging_start_loc int32 [S+1]; staging_pos0 int32 [S]; k_levels/v_levels as write_cache.
 // sliding_window W > 0: a query at position p sees keys (p - W, p] only (vLLM's convention).
+// logits_soft_cap c > 0: each logit x (softmax_scale * q.k) becomes c * tanh(x / c) (Gemma 2).
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& cache,
                      const at::Tensor& block_table, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, const at::Tensor& staging_k,
                      const at::Tensor& staging_v, const at::Tensor& staging_start_loc,
                      const at::Tensor& staging_pos0, int64_t residual_chunk,
-                     int64_t sliding_window, double softmax_scale,
+                     int64_t sliding_window, double softmax_scale, double logits_soft_cap,
                      const std::vector<int64_t>& k_codec, const std::vector<int64_t>& v_codec,
                      const at::Tensor& k_scale, const at::Tensor& v_scale,
                      const at::Tensor& k_levels, const at::Tensor& v_levels);

@@ -60,7 +60,8 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                      const at::Tensor& query_start_loc, const at::Tensor& staging_k,
                      const at::Tensor& staging_v, const at::Tensor& staging_start_loc,
                      const at::Tensor& staging_pos0, int64_t residual_chunk,
-                     int64_t sliding_window, double softmax_scale, c10::IntArrayRef k_codec,
+                     int64_t sliding_window, double softmax_scale, double logits_soft_cap,
+                     c10::IntArrayRef k_codec,
                      c10::IntArrayRef v_codec,
                      const at::Tensor& k_scale, const at::Tensor& v_scale,
                      const at::Tensor& /*k_levels*/, const at::Tensor& /*v_levels*/) {
@@ -69,7 +70,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   AttnPlan plan;
   AttnParams p = make_attn_params(out, query, cache, block_table, seq_lens, query_start_loc,
                                   staging_k, staging_v, staging_start_loc, staging_pos0,
-                                  residual_chunk, sliding_window, softmax_scale, k_codec,
+                                  residual_chunk, sliding_window, softmax_scale, logits_soft_cap, k_codec,
                                   v_codec, k_scale,
                                   v_scale, num_sms(cache.device().index()), false, 0, &plan);
   at::Tensor ws = at::empty({(int64_t)plan.workspace_bytes()}, cache.options().dtype(at::kByte));

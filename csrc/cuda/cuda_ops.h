@@ -27,7 +27,8 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                      const at::Tensor& query_start_loc, const at::Tensor& staging_k,
                      const at::Tensor& staging_v, const at::Tensor& staging_start_loc,
                      const at::Tensor& staging_pos0, int64_t residual_chunk,
-                     int64_t sliding_window, double softmax_scale, c10::IntArrayRef k_codec,
+                     int64_t sliding_window, double softmax_scale, double logits_soft_cap,
+                     c10::IntArrayRef k_codec,
                      c10::IntArrayRef v_codec,
                      const at::Tensor& k_scale, const at::Tensor& v_scale,
                      const at::Tensor& k_levels, const at::Tensor& v_levels);

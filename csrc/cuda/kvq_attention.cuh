@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(128, 1) generic_attn_kernel(AttnParams p) {
         const int jp = kb + kk;
         const bool ok = valid && jp < k_end && (p.window == 0 || jp > pos - p.window) &&
                         (pass == 0 ? jp < Fr : (jp >= Fr && jp <= pos));
-        sc[kk] = ok ? part : -INFINITY;
+        sc[kk] = ok ? soft_cap(part, p.softcap_log2) : -INFINITY;
         mx = fmaxf(mx, sc[kk]);
       }
       const float m_new = fmaxf(m_run, mx);

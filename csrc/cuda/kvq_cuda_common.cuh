@@ -62,6 +62,7 @@ struct AttnParams {
   int32_t R;             // residual chunk (1 = no staging)
   int32_t window;        // sliding window W (0: none): a query at p sees keys (p - W, p]
   float scale_log2;      // softmax_scale * log2(e)
+  float softcap_log2;    // logits_soft_cap * log2(e) (0: none): logit x -> c tanh(x / c)
   Side side[2];
   // split-KV decode (kvq_decode.cuh)
   int32_t decode_fast;       // 1: sequences with one query token go to the decode kernel

@@ -74,6 +74,7 @@ KVQ_DEV void decode_staging(const AttnParams& p, int s, int h, int g0, int ng, c
       for (int i = 0; i < CPL; ++i) dot += qv[i] * load_act(p.sk, kb + lane + 32 * i, p.q_dtype);
 #pragma unroll
       for (int mm = 16; mm >= 1; mm >>= 1) dot += shfl_xor(dot, mm);
+      dot = soft_cap(dot, p.softcap_log2);
       const float mn = fmaxf(m, dot);
       const float alpha = fast_exp2(m - mn), pe = fast_exp2(dot - mn);
       l = l * alpha + pe;
@@ -273,7 +274,7 @@ __global__ void __launch_bounds__(128, decode_min_ctas<D>()) decode_kernel(AttnP
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int tok = j0 + 8 * (i >> 1) + 2 * c + (i & 1);
-      const float v = sacc[i >> 1][i & 1];
+      const float v = soft_cap(sacc[i >> 1][i & 1], p.softcap_log2);
       sc[i] = tok < kb ? v : -INFINITY;
     }
     float mx = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3]));

@@ -176,6 +176,10 @@ KVQ_DEV void prefetch_l1(const void* ptr) {
 #endif
 }
 
+// Logit soft-capping in the log2 domain (c = logits_soft_cap * log2 e; 0: none):
+// x -> c tanh(x / c), which commutes with the log2 scaling of the logits.
+KVQ_DEV float soft_cap(float x, float c) { return c > 0.0f ? c * tanhf(x / c) : x; }
+
 KVQ_DEV float fast_exp2(float x) {
 #if defined(KVQ_CUDA_EMULATE)
   return exp2f(x);

@@ -96,7 +96,7 @@ inline AttnParams make_attn_params(at::Tensor& out, const at::Tensor& q, const a
                                    const at::Tensor& bt, const at::Tensor& seq_lens, const at::Tensor& qsl,
                                    const at::Tensor& sk, const at::Tensor& sv, const at::Tensor& ssl,
                                    const at::Tensor& sp0, int64_t R, int64_t window,
-                                   double softmax_scale,
+                                   double softmax_scale, double logits_soft_cap,
                                    c10::IntArrayRef kcv, c10::IntArrayRef vcv, const at::Tensor& k_scale,
                                    const at::Tensor& v_scale, int num_sms, bool force_generic,
                                    int part_tokens_override, AttnPlan* plan) {
@@ -117,6 +117,8 @@ inline AttnParams make_attn_params(at::Tensor& out, const at::Tensor& q, const a
   TORCH_CHECK(R >= 1, op, ": residual_chunk must be >= 1");
   TORCH_CHECK(window >= 0 && (window == 0 || R <= window), op, ": sliding_window ", window,
               " must be 0 (none) or >= residual_chunk ", R);
+  TORCH_CHECK(logits_soft_cap >= 0 && std::isfinite(logits_soft_cap), op, ": logits_soft_cap ",
+              logits_soft_cap, " must be finite and >= 0 (0: none)");
   for (const at::Tensor* t : {(const at::Tensor*)&out, &q, &bt, &seq_lens, &qsl})
     check_same_device(*t, cache, "an attention input");
   AttnParams p{};
@@ -154,6 +156,7 @@ inline AttnParams make_attn_params(at::Tensor& out, const at::Tensor& q, const a
     p.spos0 = sp0.data_ptr<int32_t>();
   }
   p.scale_log2 = (float)(softmax_scale * 1.4426950408889634);
+  p.softcap_log2 = (float)(logits_soft_cap * 1.4426950408889634);
   int kn, vn;
   const float* ks = static_scale_ptr(k_scale, cache, "k_scale", &kn);
   const float* vs = static_scale_ptr(v_scale, cache, "v_scale", &vn);

@@ -9,6 +9,8 @@ scale per token and head, or fp8 e4m3 unscaled): each step's new K/V rows are ro
 before they enter the window, so attention reads, the window keeps and the quantized
 chunks are made from the 8-bit values (rounding is idempotent), the question #12 asks
 of an 8-bit window.
+`no_soft_cap`: the backend ignores the model's logit soft-cap (what it did before it
+supported one), so a test of soft-capped attention shows it would catch that.
 The patch lives in this process, so the engine must run in-process too: installing it
 turns vLLM's engine-core child process off.
 """
@@ -17,7 +19,7 @@ from __future__ import annotations
 import os
 
 FAULT_ENV = "VLLM_KVQ_FAULT"
-FAULTS = ("clobber_cache", "window_int8", "window_fp8")
+FAULTS = ("clobber_cache", "window_int8", "window_fp8", "no_soft_cap")
 
 
 def round_int8_rows(x):
@@ -36,6 +38,11 @@ def install(name: str) -> None:
     if name not in FAULTS:
         raise ValueError(f"{FAULT_ENV}={name!r} is not a fault; allowed: {', '.join(FAULTS)}")
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if name == "no_soft_cap":
+        from vllm_kvq import ops
+
+        ops.soft_cap_for = lambda logits_soft_cap: 0.0
+        return
     if name.startswith("window_"):
         from vllm_kvq import backend
 

@@ -30,7 +30,7 @@ def attention_case(fmt, D: int, Hq: int, H: int, B: int, qlens: list[int], ctx: 
                    dtype, seed: int, spare_blocks: int = 3, *, scales=None,
                    levels=(None, None), tokens=None, extra_rows: int = 0,
                    unused_block: int = 0, expected: bool = True, window: int = 0,
-                   null_block: int = 0) -> dict:
+                   null_block: int = 0, soft_cap: float = 0.0) -> dict:
     """CPU tensors of one batch: sequence s has ctx[s] tokens before its qlens[s] query
     tokens. Keys: the paged_attention arguments (q, cache, bt, sl, qsl, sk, sv, ssl, sp0, R,
     scale), the layout `lay`, static scales `ks`, `vs`, codebooks `kl`, `vl` and (expected=
@@ -42,7 +42,8 @@ def attention_case(fmt, D: int, Hq: int, H: int, B: int, qlens: list[int], ctx: 
     their output alone); unused_block: block-table entry of every unused column (one more
     column than the longest sequence needs), e.g. a block far past the cache; window: a
     sliding window (blocks wholly before every query's window become `null_block`, a block
-    holding other data, as vLLM puts its null block there)."""
+    holding other data, as vLLM puts its null block there); soft_cap: the logit soft-cap
+    (0: none)."""
     g = torch.Generator().manual_seed(seed)
     ks, vs = scales if scales is not None else static_scales(fmt, H, seed)
     kref = ks if fmt.key.static_scale else None
@@ -90,12 +91,12 @@ def attention_case(fmt, D: int, Hq: int, H: int, B: int, qlens: list[int], ctx: 
     case = dict(q=q, cache=cache, bt=bt, sl=torch.tensor(L, dtype=torch.int32), qsl=qsl,
                 sk=sk, sv=sv, ssl=torch.tensor(ssl, dtype=torch.int32),
                 sp0=torch.tensor(sp0, dtype=torch.int32), R=R, scale=1.0 / math.sqrt(D),
-                lay=lay, ks=ks, vs=vs, kl=kl, vl=vl, window=window)
+                lay=lay, ks=ks, vs=vs, kl=kl, vl=vl, window=window, soft_cap=soft_cap)
     if window:
         for s in range(S):
             bt[s, :max(0, L[s] - qlens[s] - window + 1) // B] = null_block
     if expected:
         case["expected"] = ref.paged_attention(q, cache, bt, case["sl"], qsl, fmt, lay,
                                                case["scale"], kref, vref, sk, sv, case["ssl"],
-                                               case["sp0"], kl, vl, window).float()
+                                               case["sp0"], kl, vl, window, soft_cap).float()
     return case

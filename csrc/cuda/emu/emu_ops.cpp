@@ -22,12 +22,14 @@ int64_t write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor c
 void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& cache, const at::Tensor& bt,
                      const at::Tensor& sl, const at::Tensor& qsl, const at::Tensor& sk,
                      const at::Tensor& sv, const at::Tensor& ssl, const at::Tensor& sp0, int64_t R,
-                     int64_t window, double scale, std::vector<int64_t> kc, std::vector<int64_t> vc,
+                     int64_t window, double scale, double soft_cap, std::vector<int64_t> kc,
+                     std::vector<int64_t> vc,
                      const at::Tensor& ks, const at::Tensor& vs, bool force_generic,
                      int64_t part_tokens, int64_t num_sms) {
   kvq_cuda::AttnPlan plan;
   kvq_cuda::AttnParams p = kvq_cuda::make_attn_params(out, q, cache, bt, sl, qsl, sk, sv, ssl, sp0, R,
-                                                      window, scale, kc, vc, ks, vs, (int)num_sms,
+                                                      window, scale, soft_cap, kc, vc, ks, vs,
+                                                      (int)num_sms,
                                                       force_generic, (int)part_tokens, &plan);
   std::vector<uint8_t> ws(plan.workspace_bytes());
   kvq_cuda::set_workspace(p, plan, ws.data());

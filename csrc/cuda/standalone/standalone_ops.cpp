@@ -48,10 +48,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention",
         [](at::Tensor out, const at::Tensor& q, const at::Tensor& cache, const at::Tensor& bt,
            const at::Tensor& sl, const at::Tensor& qsl, const at::Tensor& sk, const at::Tensor& sv,
-           const at::Tensor& ssl, const at::Tensor& sp0, int64_t r, int64_t w, double scale, std::vector<int64_t> kc,
+           const at::Tensor& ssl, const at::Tensor& sp0, int64_t r, int64_t w, double scale, double cap,
+           std::vector<int64_t> kc,
            std::vector<int64_t> vc, const at::Tensor& ks, const at::Tensor& vs, const at::Tensor& kl,
            const at::Tensor& vl) {
-          kvq_cuda::paged_attention(out, q, cache, bt, sl, qsl, sk, sv, ssl, sp0, r, w, scale, kc, vc, ks, vs,
+          kvq_cuda::paged_attention(out, q, cache, bt, sl, qsl, sk, sv, ssl, sp0, r, w, scale, cap, kc, vc, ks, vs,
                                     kl, vl);
         });
 }
