@@ -5,10 +5,9 @@ size). Until its chunk is complete a token lives only in full precision, in its 
 window: rows [rows_per_block, 2, H, D] (16 bits, window_dtype) of a few blocks that vLLM's
 own block manager gives every running request for as long as it runs
 (vllm_kvq.window_cache). The window is a ring of W = R + lookback rows: position p lives in
-window row p % W, row j % rows_per_block of the window's block j // rows_per_block
-(lookback = 0: row p - c1 of the chunk in progress). The plan names rows as (request,
-window row): layers whose windows sit
-in different KV-cache groups (vLLM splits a model's layers into groups of equal size) have
+window row j = p % W (lookback = 0: p - c1, its place in the chunk in progress), which is
+row j % rows_per_block of the window's block j // rows_per_block. The plan names rows as
+(request, window row): layers whose windows sit in different KV-cache groups (vLLM splits a model's layers into groups of equal size) have
 different blocks, resolved per group by window_addresses(). Nothing is read from the pages' own bytes to decide validity: a window's
 blocks are not zeroed when a new request receives them.
 
