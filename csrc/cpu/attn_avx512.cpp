@@ -195,8 +195,40 @@ static inline VF vgather(const float* base, int stride) {
   return _mm512_i32gather_ps(idx, base, 4);
 }
 
-// The gather does it (attn_body.h transpose_tile); the AVX2 path shuffles instead.
-static inline bool vtranspose_groups(const float*, int, int, float*) { return false; }
+// attn_body.h transpose_tile: [t][g] rows of ng floats -> out[g * kTileTokens + t], tokens
+// rounded up to W (the same reads as a gather). For ng = 2^k <= 16 (head_dim / group: 2, 4,
+// 8 for groups of 32) each W tokens' ng vectors are split into even and odd lanes k times
+// (vpermt2ps): one split moves flat index i of the N = W * ng values to i / 2 (even i) or
+// N / 2 + i / 2 (odd i), a right rotation of i's bits, so after k splits t * ng + g sits at
+// g * W + t. On Zen 4 this replaced the gathers: int4_group32 / kivi2 decode at 4k tokens
+// 9% / 13% faster (9/3/64, batch 4, one thread). true when handled, else the gather runs.
+template <int NG>
+static inline void vtranspose_pow2(const float* src, int nt, float* out) {
+  constexpr int TTs = kTileTokens;  // out's row stride
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  for (int t = 0; t < nt; t += W) {
+    VF v[NG], w[NG];
+    for (int j = 0; j < NG; ++j) v[j] = vload(src + (int64_t)t * NG + j * W);
+    for (int s = NG; s > 1; s >>= 1) {
+      for (int j = 0; j < NG / 2; ++j) {
+        w[j] = _mm512_permutex2var_ps(v[2 * j], even, v[2 * j + 1]);
+        w[j + NG / 2] = _mm512_permutex2var_ps(v[2 * j], odd, v[2 * j + 1]);
+      }
+      for (int j = 0; j < NG; ++j) v[j] = w[j];
+    }
+    for (int g = 0; g < NG; ++g) vstore(out + g * TTs + t, v[g]);
+  }
+}
+static inline bool vtranspose_groups(const float* src, int nt, int ng, float* out) {
+  switch (ng) {
+    case 2: vtranspose_pow2<2>(src, nt, out); return true;
+    case 4: vtranspose_pow2<4>(src, nt, out); return true;
+    case 8: vtranspose_pow2<8>(src, nt, out); return true;
+    case 16: vtranspose_pow2<16>(src, nt, out); return true;
+    default: return false;
+  }
+}
 
 // ---- integer vectors for the int8-query Q.K (see attn_body.h "integer Q.K") -------------
 // VI: 4W = 64 bytes (u8 codes or s8 query) or W int32 lanes.
