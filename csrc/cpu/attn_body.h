@@ -259,21 +259,28 @@ static void prep_segment(const kvq::Codec& c, const kvq::Region& r, const uint8_
     predecode_segment(c, r, plane, off, cnt, at, D, st, levels, tb, ts);
     return;
   }
-  if (c.outliers)
-    for (int i = 0; i < cnt; ++i)
-      ts.orow[at + i] = plane + r.outlier_off + (int64_t)(off + i) * c.outliers * 4;
+  if (c.outliers) {
+    const uint8_t* o = plane + r.outlier_off + (int64_t)off * c.outliers * 4;
+    const uint8_t** orows = ts.orow + at;
+    for (int i = 0; i < cnt; ++i, o += c.outliers * 4) orows[i] = o;
+  }
   const uint8_t* data = plane + r.data_off;
   const bool e4 = c.encoding == kvq::ENC_FP8_E4M3;
   const bool is_int = c.encoding == kvq::ENC_INT;
   const float off_sym = is_int && c.symmetric ? -(float)(1 << (c.bits - 1)) : 0.0f;
-  for (int i = 0; i < cnt; ++i) {
-    const uint8_t* row = data + (int64_t)(off + i) * r.row_bytes;
-    if (is_int && c.bits == 3) {
+  // Locals for the tile's pointer arrays: stores through ts would make the compiler reload
+  // r's fields every token (and it vectorized the pointer loops below into scatters).
+  const int64_t rb = r.row_bytes;
+  const uint8_t** rows = ts.row + at;
+  if (is_int && c.bits == 3) {
+    for (int i = 0; i < cnt; ++i) {
       uint8_t* u = tb.u8 + (int64_t)(at + i) * D;
-      unpack3(row, D, u);
-      row = u;
+      unpack3(data + (int64_t)(off + i) * rb, D, u);
+      rows[i] = u;
     }
-    ts.row[at + i] = row;
+  } else {
+    const uint8_t* row = data + (int64_t)off * rb;
+    for (int i = 0; i < cnt; ++i, row += rb) rows[i] = row;
   }
   if (c.encoding == kvq::ENC_FP16 || c.encoding == kvq::ENC_BF16) return;
   const float mul = e4 ? 256.0f : 1.0f;  // ld_e4m3 gives value * 2^-8
@@ -290,9 +297,11 @@ static void prep_segment(const kvq::Codec& c, const kvq::Region& r, const uint8_
       } else {
         for (int i = 0; i < cnt * ng; ++i) z[i] = off_sym * s[i];
       }
-      for (int i = 0; i < cnt; ++i) {
-        ts.sv[at + i] = s + i * ng;
-        ts.zv[at + i] = z + i * ng;
+      const float** svp = ts.sv + at;
+      const float** zvp = ts.zv + at;
+      for (int i = 0; i < cnt; ++i, s += ng, z += ng) {
+        svp[i] = s;
+        zvp[i] = z;
       }
       return;
     }
@@ -311,10 +320,10 @@ static void prep_segment(const kvq::Codec& c, const kvq::Region& r, const uint8_
           permute_row(s, D, perm_kind);
           permute_row(z, D, perm_kind);
         }
-        for (int k = 0; k < n; ++k) {
-          ts.sv[at + i + k] = s;
-          ts.zv[at + i + k] = z;
-        }
+        const float** svp = ts.sv + at + i;
+        const float** zvp = ts.zv + at + i;
+        for (int k = 0; k < n; ++k) svp[k] = s;
+        for (int k = 0; k < n; ++k) zvp[k] = z;
         i += n;
       }
       return;
@@ -323,10 +332,10 @@ static void prep_segment(const kvq::Codec& c, const kvq::Region& r, const uint8_
       tb.st[0] = st * mul;
       tb.st[1] = off_sym * st;
       ts.gshift = 30;
-      for (int i = 0; i < cnt; ++i) {
-        ts.sv[at + i] = &tb.st[0];
-        ts.zv[at + i] = &tb.st[1];
-      }
+      const float** svp = ts.sv + at;
+      const float** zvp = ts.zv + at;
+      for (int i = 0; i < cnt; ++i) svp[i] = &tb.st[0];
+      for (int i = 0; i < cnt; ++i) zvp[i] = &tb.st[1];
       return;
   }
 }
