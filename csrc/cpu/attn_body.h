@@ -427,51 +427,113 @@ static void decode_tile(const TileSrc& ts, int nt, int D, float* out) {  // natu
 }
 
 // ---- outlier slots in the fused path -------------------------------------------------------
-// The dense value the fused decode gives channel ch of token t (the value an outlier slot
-// replaces): table[code] * scale + zero, the scale/zero of ch's group (or channel).
-static inline float dense_value(const kvq::Codec& c, const TileSrc& ts, int t, int ch) {
-  const uint8_t* row = ts.row[t];
-  uint32_t code;
-  if (c.bits == 8 || (c.bits == 3 && c.encoding == kvq::ENC_INT)) {
-    code = row[ch];  // (int3: unpacked to bytes by prep_segment)
-  } else if (c.bits == 4) {
-    code = (row[ch >> 1] >> ((ch & 1) * 4)) & 15u;
-  } else if (c.bits == 2) {
-    code = (row[ch >> 2] >> ((ch & 3) * 2)) & 3u;
-  } else {
-    const uint8_t* g = row + (ch / 8) * 3;
-    const uint32_t w = (uint32_t)g[0] | ((uint32_t)g[1] << 8) | ((uint32_t)g[2] << 16);
-    code = (w >> (3 * (ch % 8))) & 7u;
-  }
-  const float x = c.encoding == kvq::ENC_NUQ ? ts.lev[code] : (float)code;
-  const int si = c.granularity == kvq::GRAN_CHANNEL ? ch : ((ch / W) >> ts.gshift);
-  return x * ts.sv[t][si] + ts.zv[t][si];
+// Each slot (channel ch of token t stored exactly) corrects what the dense decode gave that
+// channel: K: S[m][t] += Q[m][ch] * delta, V: acc[m][ch] += P[m][t] * delta, delta = exact -
+// dense, dense = table[code] * scale + zero with ch's scale/zero (or its channel's). The
+// slots of a tile are gathered as (t, ch, delta) entries in batches: the code lookup
+// specialised per codec, the fp16 conversion and the subtraction vectorized.
+constexpr int kOutBatch = 4 * TT;
+struct OutlierBatch {
+  int t[kOutBatch], ch[kOutBatch];
+  uint16_t exact[kOutBatch + W];
+  float dense[kOutBatch + W];
+  float delta[kOutBatch + W];
+};
+
+// CODE: 8 = one byte per code (int8; int3, unpacked by prep_segment), 4 / 2 = packed
+// nibbles / bit pairs, 3 = nuq3's 8 codes per 3 bytes.
+template <int CODE>
+static inline uint32_t code_at(const uint8_t* row, int ch) {
+  if (CODE == 8) return row[ch];
+  if (CODE == 4) return (row[ch >> 1] >> ((ch & 1) * 4)) & 15u;
+  if (CODE == 2) return (row[ch >> 2] >> ((ch & 3) * 2)) & 3u;
+  const uint8_t* g = row + (ch >> 3) * 3;
+  const uint32_t w = (uint32_t)g[0] | ((uint32_t)g[1] << 8) | ((uint32_t)g[2] << 16);
+  return (w >> (3 * (ch & 7))) & 7u;
 }
-// K: S[m][t] += Q[m][ch] * (exact - dense) for every slot of tokens [0, nt).
+
+// Slots of tokens [t, b) into ob, at most kOutBatch; returns (entries, next token).
+template <int CODE, bool NUQ, bool VEC>
+static int gather_outliers(int nout, const TileSrc& ts, int t, int b, int D, OutlierBatch& ob,
+                           int& n_out) {
+  int n = 0;  // a local: through n_out every store to ob would reload it
+  const int gshift = ts.gshift;
+  for (; t < b && n + nout <= kOutBatch; ++t) {
+    const uint8_t* o = ts.orow[t];
+    const uint8_t* row = ts.row[t];
+    const float* sv = ts.sv[t];
+    const float* zv = ts.zv[t];
+    for (int j = 0; j < nout; ++j) {
+      uint32_t w;
+      memcpy(&w, o + 4 * j, 4);  // kvq::Outlier: channel, then the fp16 value
+      const int ch = (int)(w & 0xFFFFu);
+      if (ch >= D) continue;  // kNoOutlier
+      const uint32_t code = code_at<CODE>(row, ch);
+      const float x = NUQ ? ts.lev[code] : (float)code;
+      const int si = VEC ? ch : ((ch / W) >> gshift);
+      ob.t[n] = t;
+      ob.ch[n] = ch;
+      ob.exact[n] = (uint16_t)(w >> 16);
+      ob.dense[n] = x * sv[si] + zv[si];
+      ++n;
+    }
+  }
+  for (int i = 0; i < n; i += W)
+    vstore(ob.delta + i, vsub(ld_f16(ob.exact + i), vload(ob.dense + i)));
+  n_out = n;
+  return t;
+}
+
+template <class F>
+static void for_outliers(const kvq::Codec& c, const TileSrc& ts, int a, int b, int D, F&& f) {
+  OutlierBatch ob;
+  const bool nuq = c.encoding == kvq::ENC_NUQ, vec = c.granularity == kvq::GRAN_CHANNEL;
+  const int code = c.bits == 3 && !nuq ? 8 : c.bits;
+  auto run = [&](auto g) {
+    for (int t = a, n = 0; t < b;) {
+      t = g(c.outliers, ts, t, b, D, ob, n);
+      f(ob, n);
+    }
+  };
+#define KVQ_OUT(C)                                                        \
+  if (nuq) {                                                              \
+    if (vec) run(gather_outliers<C, true, true>);                         \
+    else run(gather_outliers<C, true, false>);                            \
+  } else {                                                                \
+    if (vec) run(gather_outliers<C, false, true>);                        \
+    else run(gather_outliers<C, false, false>);                           \
+  }                                                                       \
+  return;
+  switch (code) {
+    case 8: KVQ_OUT(8)
+    case 4: KVQ_OUT(4)
+    case 3: KVQ_OUT(3)
+    default: KVQ_OUT(2)
+  }
+#undef KVQ_OUT
+}
+
+// K: S[m][t] += Q[m][ch] * delta for every slot of tokens [0, nt).
 static void outlier_fix_k(const kvq::Codec& c, const TileSrc& ts, int nt, int M, int D,
                           const float* Q, float* S) {
-  for (int t = 0; t < nt; ++t)
-    for (int j = 0; j < c.outliers; ++j) {
-      uint16_t ch, v;
-      memcpy(&ch, ts.orow[t] + 4 * j, 2);
-      memcpy(&v, ts.orow[t] + 4 * j + 2, 2);
-      if (ch >= D) continue;
-      const float delta = kvq::fp16_to_float(v) - dense_value(c, ts, t, ch);
-      for (int m = 0; m < M; ++m) S[m * SL + t] += Q[(int64_t)m * D + ch] * delta;
+  for_outliers(c, ts, 0, nt, D, [&](const OutlierBatch& ob, int n) {
+    for (int m = 0; m < M; ++m) {
+      const float* q = Q + (int64_t)m * D;
+      float* s = S + m * SL;
+      for (int i = 0; i < n; ++i) s[ob.t[i]] += q[ob.ch[i]] * ob.delta[i];
     }
+  });
 }
-// V: acc[m][ch] += P[m][t] * (exact - dense) for every slot of tokens [a, b).
+// V: acc[m][ch] += P[m][t] * delta for every slot of tokens [a, b).
 static void outlier_fix_v(const kvq::Codec& c, const TileSrc& ts, int a, int b, int M, int D,
                           const float* P, float* acc) {
-  for (int t = a; t < b; ++t)
-    for (int j = 0; j < c.outliers; ++j) {
-      uint16_t ch, v;
-      memcpy(&ch, ts.orow[t] + 4 * j, 2);
-      memcpy(&v, ts.orow[t] + 4 * j + 2, 2);
-      if (ch >= D) continue;
-      const float delta = kvq::fp16_to_float(v) - dense_value(c, ts, t, ch);
-      for (int m = 0; m < M; ++m) acc[(int64_t)m * D + ch] += P[m * SL + t] * delta;
+  for_outliers(c, ts, a, b, D, [&](const OutlierBatch& ob, int n) {
+    for (int m = 0; m < M; ++m) {
+      const float* p = P + m * SL;
+      float* ac = acc + (int64_t)m * D;
+      for (int i = 0; i < n; ++i) ac[ob.ch[i]] += p[ob.t[i]] * ob.delta[i];
     }
+  });
 }
 
 // ---- integer Q.K ---------------------------------------------------------------------------
