@@ -452,7 +452,8 @@ static inline uint32_t code_at(const uint8_t* row, int ch) {
   return (w >> (3 * (ch & 7))) & 7u;
 }
 
-// Slots of tokens [t, b) into ob, at most kOutBatch; returns (entries, next token).
+// Slots of tokens [t, b) into ob, at most kOutBatch entries (their count in n_out); returns
+// the first token not gathered.
 template <int CODE, bool NUQ, bool VEC>
 static int gather_outliers(int nout, const TileSrc& ts, int t, int b, int D, OutlierBatch& ob,
                            int& n_out) {
