@@ -69,10 +69,15 @@ struct TileSrc {
   float lev[16];            // nuq kinds: lev[i] = codebook[i mod 2^bits]
 };
 
+// The 3 bytes of 8 packed 3-bit codes (code i in bits 3i..3i+2) as one word.
+static inline uint32_t word3(const uint8_t* p) {
+  return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16);
+}
+
 static void unpack3(const uint8_t* row, int D, uint8_t* out) {
   for (int d = 0; d < D; d += 8) {
     const uint8_t* p = row + d / 8 * 3;
-    const uint32_t w = (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16);
+    const uint32_t w = word3(p);
     for (int i = 0; i < 8; ++i) out[d + i] = (uint8_t)((w >> (3 * i)) & 7u);
   }
 }
@@ -157,7 +162,7 @@ static inline void lut_row(const uint8_t* row, int bits, int d0, int d1, const f
   } else {  // 3 bits: 8 codes per 3 bytes
     for (int d = d0; d < d1; d += 8) {
       const uint8_t* p = row + d / 8 * 3;
-      const uint32_t w = (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16);
+      const uint32_t w = word3(p);
       for (int i = 0; i < 8; ++i) dst[d + i] = L(d + i, (w >> (3 * i)) & 7u);
     }
   }
@@ -447,9 +452,7 @@ static inline uint32_t code_at(const uint8_t* row, int ch) {
   if (CODE == 8) return row[ch];
   if (CODE == 4) return (row[ch >> 1] >> ((ch & 1) * 4)) & 15u;
   if (CODE == 2) return (row[ch >> 2] >> ((ch & 3) * 2)) & 3u;
-  const uint8_t* g = row + (ch >> 3) * 3;
-  const uint32_t w = (uint32_t)g[0] | ((uint32_t)g[1] << 8) | ((uint32_t)g[2] << 16);
-  return (w >> (3 * (ch & 7))) & 7u;
+  return (word3(row + (ch >> 3) * 3) >> (3 * (ch & 7))) & 7u;
 }
 
 // Slots of tokens [t, b) into ob, at most kOutBatch entries (their count in n_out); returns
