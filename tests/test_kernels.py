@@ -831,10 +831,15 @@ def test_attention_argument_errors():
 INT_QK_FORMATS = ["int8_token", "int4_group32", "int2_group32", "int4_token_sym",
                   "int8_tensor_sym", "int2_token", "kivi4", "kivi2_k16_g16_r32",
                   "int8_channel32_r128", "int4_channel32_sym_r32"]
+# (format, head_dim, gq): every format at 128 / 4, and the token-lane kernel's other shapes
+# (a row of 32 or 64 bytes, 1..8 query rows per kv head, 1 to 16 words per scale group)
+INT_QK_CASES = [(n, 128, 4) for n in INT_QK_FORMATS] + [
+    ("int4_group32", 64, 3), ("kivi2", 64, 3), ("int2_group16", 64, 1), ("int8_token", 64, 2),
+    ("int8_group16", 256, 8), ("kivi4", 256, 4), ("int4_group64", 256, 1)]
 
 
-@pytest.mark.parametrize("name", INT_QK_FORMATS)
-def test_attention_int8_query(name):
+@pytest.mark.parametrize("name,D,gq", INT_QK_CASES, ids=[f"{n}-D{D}-gq{g}" for n, D, g in INT_QK_CASES])
+def test_attention_int8_query(name, D, gq):
     """Decodes of int keys take the integer Q.K on every path: each row matches the
     int8-query reference at the tight tolerance and differs from the exact one (so the
     integer path really ran); KVQ_EXACT_QK=1 gives the exact attention. The int8 query's
@@ -843,7 +848,7 @@ def test_attention_int8_query(name):
     3.1e-2 per-channel keys: the folded query x * s has a wider range than x)."""
     fmt = parse_format(name)
     B = max(32, fmt.residual_chunk)
-    c = build_case(name, 128, B, gq=4, H=2, dtype=torch.float32,
+    c = build_case(name, D, B, gq=gq, H=2, dtype=torch.float32,
                    seqs=[(300, 1), (97, 1), (B + 5, 1)], seed=_seed(name, "iq"))
     n = int(c["query_start_loc"][-1])
     exact, approx = run_ref(c)[:n], run_ref_int8q(c)[:n]

@@ -226,6 +226,7 @@ static inline bool vtranspose_groups(const float* src, int nt, int ng, float* ou
 // VI: 4W = 32 bytes (u8 codes or s8 query) or W int32 lanes.
 typedef __m256i VI;
 static inline VI ci_zero() { return _mm256_setzero_si256(); }
+static inline VI ci_add(VI a, VI b) { return _mm256_add_epi32(a, b); }
 // acc lane l += sum_{k<4} c[4l+k] * q[4l+k] (u8 x s8), exactly (like vpdpbusd).
 // SMALL (codes < 16): vpmaddubsw cannot saturate (|2 * 15 * 127| < 2^15).
 // Otherwise (8-bit codes) even and odd bytes go through vpmaddwd as 16-bit words.
@@ -242,24 +243,38 @@ static inline VI ci_dot(VI acc, VI c, VI q) {
                                                 _mm256_madd_epi16(co, qo)));
 }
 static inline VF ci_tof(VI a) { return _mm256_cvtepi32_ps(a); }
-static inline VI ld_q8(const int8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
-static inline VI ld_c8(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
-// 2W = 16 bytes of int4: bytes [0, 16) = low nibbles, [16, 32) = high nibbles.
-static inline VI ld_c4(const uint8_t* p) {
-  const __m256i x = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)p));
-  return _mm256_and_si256(_mm256_srlv_epi64(x, _mm256_set_epi64x(4, 4, 0, 0)),
-                          _mm256_set1_epi8(0x0F));
+// lane l = the 4 bytes at p (one dword of the int8 query, multiplied into every token lane).
+static inline VI ci_bcast4(const int8_t* p) {
+  int32_t x;
+  memcpy(&x, p, 4);
+  return _mm256_set1_epi32(x);
 }
-// W = 8 bytes of int2: byte 8k + i = bit pair k of byte i.
-static inline VI ld_c2(const uint8_t* p) {
-  int64_t w;
-  memcpy(&w, p, 8);
-  return _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x(w), _mm256_set_epi64x(6, 4, 2, 0)),
-                          _mm256_set1_epi8(0x03));
+// (x >> SH) & mask in every byte: one bit field of every packed code byte.
+template <int SH>
+static inline VI ci_field(VI x, int mask) {
+  return _mm256_and_si256(_mm256_srli_epi32(x, SH), _mm256_set1_epi8((char)mask));
 }
-// lane l = tab[idx[l]], idx[l] < W (tab: W readable floats).
-static inline VF vperm_tab(const float* tab, const int32_t* idx) {
-  return _mm256_permutevar8x32_ps(_mm256_loadu_ps(tab), _mm256_loadu_si256((const __m256i*)idx));
+// out[j] lane i = dword j of rows[i] + off, for j < nd <= 8 (out[nd..8) undefined): the
+// 32-byte column block of W = 8 code rows, transposed (8x8 dwords: two unpack stages in
+// 128-bit lanes, then vperm2i128). Masked loads never touch bytes past nd dwords.
+static inline void ci_tr8(const uint8_t* const* rows, int off, int nd, VI* out) {
+  const __m256i m = _mm256_cmpgt_epi32(_mm256_set1_epi32(nd), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  __m256i a[8], t[8], u[8];
+  for (int k = 0; k < 8; ++k) a[k] = _mm256_maskload_epi32((const int*)(rows[k] + off), m);
+  for (int k = 0; k < 4; ++k) {
+    t[2 * k] = _mm256_unpacklo_epi32(a[2 * k], a[2 * k + 1]);
+    t[2 * k + 1] = _mm256_unpackhi_epi32(a[2 * k], a[2 * k + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // u[4h + e]: per 128-bit lane, element e of rows 4h..4h+3
+    u[4 * h + 0] = _mm256_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+    u[4 * h + 1] = _mm256_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+    u[4 * h + 2] = _mm256_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+    u[4 * h + 3] = _mm256_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    out[e] = _mm256_permute2x128_si256(u[e], u[e + 4], 0x20);
+    out[e + 4] = _mm256_permute2x128_si256(u[e], u[e + 4], 0x31);
+  }
 }
 // dst[0..W) = (int8) rint(x * inv); |x * inv| <= 127.
 static inline void vq8_store(VF x, VF inv, int8_t* dst) {

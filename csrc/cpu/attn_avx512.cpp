@@ -234,27 +234,49 @@ static inline bool vtranspose_groups(const float* src, int nt, int ng, float* ou
 // VI: 4W = 64 bytes (u8 codes or s8 query) or W int32 lanes.
 typedef __m512i VI;
 static inline VI ci_zero() { return _mm512_setzero_si512(); }
+static inline VI ci_add(VI a, VI b) { return _mm512_add_epi32(a, b); }
 // acc lane l += sum_{k<4} c[4l+k] * q[4l+k] (u8 x s8), vpdpbusd; SMALL: codes < 16 (unused here)
 template <bool SMALL>
 static inline VI ci_dot(VI acc, VI c, VI q) { return _mm512_dpbusd_epi32(acc, c, q); }
 static inline VF ci_tof(VI a) { return _mm512_cvtepi32_ps(a); }
-static inline VI ld_q8(const int8_t* p) { return _mm512_loadu_si512((const void*)p); }
-static inline VI ld_c8(const uint8_t* p) { return _mm512_loadu_si512((const void*)p); }
-// 2W = 32 bytes of int4: bytes [0, 32) = low nibbles, [32, 64) = high nibbles.
-static inline VI ld_c4(const uint8_t* p) {
-  const __m512i x = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)p));
-  return _mm512_and_si512(_mm512_srlv_epi64(x, _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0)),
-                          _mm512_set1_epi8(0x0F));
+// lane l = the 4 bytes at p (one dword of the int8 query, multiplied into every token lane).
+static inline VI ci_bcast4(const int8_t* p) {
+  int32_t x;
+  memcpy(&x, p, 4);
+  return _mm512_set1_epi32(x);
 }
-// W = 16 bytes of int2: byte 16k + i = bit pair k of byte i.
-static inline VI ld_c2(const uint8_t* p) {
-  const __m512i x = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)p));
-  return _mm512_and_si512(_mm512_srlv_epi64(x, _mm512_set_epi64(6, 6, 4, 4, 2, 2, 0, 0)),
-                          _mm512_set1_epi8(0x03));
+// (x >> SH) & mask in every byte: one bit field of every packed code byte.
+template <int SH>
+static inline VI ci_field(VI x, int mask) {
+  return _mm512_and_si512(_mm512_srli_epi32(x, SH), _mm512_set1_epi8((char)mask));
 }
-// lane l = tab[idx[l]], idx[l] < W (tab: W readable floats).
-static inline VF vperm_tab(const float* tab, const int32_t* idx) {
-  return _mm512_permutexvar_ps(_mm512_loadu_si512((const void*)idx), _mm512_loadu_ps(tab));
+// out[j] lane i = dword j of rows[i] + off, for j < nd <= 8 (out[nd..8) undefined): the
+// 32-byte column block of W code rows, transposed. Rows i and i+8 share a register (one
+// 256-bit half each), an 8x8 dword transpose runs in both halves, and vpermt2q puts each
+// column's four 4-row pieces in row order. Masked loads never touch bytes past nd dwords.
+static inline void ci_tr8(const uint8_t* const* rows, int off, int nd, VI* out) {
+  const __mmask8 m = (__mmask8)((1u << nd) - 1);
+  __m512i a[8], t[8], u[8];
+  for (int k = 0; k < 8; ++k)
+    a[k] = _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_maskz_loadu_epi32(m, rows[k] + off)),
+        _mm256_maskz_loadu_epi32(m, rows[k + 8] + off), 1);
+  for (int k = 0; k < 4; ++k) {  // per 128-bit lane: [r0 e0, r1 e0, r0 e1, r1 e1] / e2, e3
+    t[2 * k] = _mm512_unpacklo_epi32(a[2 * k], a[2 * k + 1]);
+    t[2 * k + 1] = _mm512_unpackhi_epi32(a[2 * k], a[2 * k + 1]);
+  }
+  for (int h = 0; h < 2; ++h) {  // u[4h + e]: per 128-bit lane, element e of rows 4h..4h+3
+    u[4 * h + 0] = _mm512_unpacklo_epi64(t[4 * h], t[4 * h + 2]);
+    u[4 * h + 1] = _mm512_unpackhi_epi64(t[4 * h], t[4 * h + 2]);
+    u[4 * h + 2] = _mm512_unpacklo_epi64(t[4 * h + 1], t[4 * h + 3]);
+    u[4 * h + 3] = _mm512_unpackhi_epi64(t[4 * h + 1], t[4 * h + 3]);
+  }
+  const __m512i lo = _mm512_set_epi64(13, 12, 5, 4, 9, 8, 1, 0);
+  const __m512i hi = _mm512_set_epi64(15, 14, 7, 6, 11, 10, 3, 2);
+  for (int e = 0; e < 4; ++e) {
+    out[e] = _mm512_permutex2var_epi64(u[e], lo, u[e + 4]);
+    out[e + 4] = _mm512_permutex2var_epi64(u[e], hi, u[e + 4]);
+  }
 }
 // dst[0..W) = (int8) rint(x * inv); |x * inv| <= 127.
 static inline void vq8_store(VF x, VF inv, int8_t* dst) {

@@ -6,7 +6,9 @@
 //   vmax(a,b) (b when either is NaN), vmin, vhmax, vhsum, vexp2,
 //   vreduce(const VF a[W]) -> lane k = sum of a[k]'s lanes,
 //   ld_f16 / ld_bf16 (W halves), ld_u8 (W bytes), ld_u4 (W/2 bytes), ld_u2 (W/4 bytes),
-//   ld_e4m3 (W bytes, value * 2^-8), ld_e5m2 (W bytes).
+//   ld_e4m3 (W bytes, value * 2^-8), ld_e5m2 (W bytes);
+//   for the integer Q.K: VI (W int32 lanes), ci_zero, ci_add, ci_dot<SMALL>, ci_tof,
+//   ci_bcast4, ci_field<SH>, ci_tr8 (W rows' 4-byte words transposed), vq8_store.
 //
 // Algorithm (per task = one sequence, one kv head, a tile of query tokens, a range of key
 // positions): the Q rows (all gq query heads of each query token, pre-scaled by
@@ -26,7 +28,8 @@
 //
 // Integer Q.K (fused decode path, ENC_INT keys of 8/4/2 bits without outlier slots; see
 // "integer Q.K" below): the query rows are rounded to int8 once per task and each key
-// token's logit is an integer dot product of codes and int8 query (vpdpbusd), scaled once.
+// token's logit is an integer dot product of codes and int8 query (vpdpbusd) with one token
+// per lane, scaled once per scale group.
 //
 // nuq codecs and codecs with outlier slots are decoded to fp32 rows when a tile is
 // prepared (predecode_segment: level[code] * scale + zero through the layer's codebook, or
@@ -561,9 +564,11 @@ static void outlier_fix_v(const kvq::Codec& c, const TileSrc& ts, int a, int b, 
 // max 3.1e-2 random, mean 3.4e-3..4.6e-3, max 2.4e-2 captured. tests/test_kernels.py checks
 // the kernels against a reference with the same rounding at the usual tight tolerances.
 // KVQ_EXACT_QK=1 turns the integer Q.K off.
-// Codes are consumed in "code order" (ichan): one VI holds CW = 4W codes of CW consecutive
-// channels, unpacked with one shift and one mask (int4: low nibbles then high nibbles; int2:
-// bit pair 0, 1, 2, 3); the int8 query is stored in the same order.
+// The int8 query is stored in "code order" (ichan): a chunk of CW = 4W codes of CW
+// consecutive channels, in the order one shift and one mask unpack a chunk's packed bytes
+// (int4: the CW/2 low nibbles, then the high nibbles; int2: bit pair 0, 1, 2, 3 of its W
+// bytes), so that each 4-byte word of the query multiplies one bit field of one 4-byte word
+// of a key row (qk_int).
 constexpr int CW = 4 * W;
 
 static inline int ichan(int bits, int p) {
@@ -577,98 +582,129 @@ static inline int ichan(int bits, int p) {
 static inline bool int_qk_ok(const kvq::Codec& c, int D) {
   if (c.encoding != kvq::ENC_INT || c.outliers) return false;
   if (c.bits != 8 && c.bits != 4 && c.bits != 2) return false;
-  if (D % CW) return false;
+  if (D % CW || D > 512) return false;
   switch (c.granularity) {
     case kvq::GRAN_TOKEN: case kvq::GRAN_TENSOR: case kvq::GRAN_HEAD: case kvq::GRAN_CHANNEL:
       return true;
-    case kvq::GRAN_GROUP: {
-      // each int32 lane (4 codes) within one group, and a chunk's groups at a fixed pattern
-      const int g = c.group, span = c.bits == 8 ? 4 : (c.bits == 4 ? 8 : 16);
-      return g % span == 0 && (CW % g == 0 || g % CW == 0);
-    }
+    case kvq::GRAN_GROUP:  // every 4-byte word of a row within one group
+      return c.group % (32 / c.bits) == 0 && D % c.group == 0;
     default: return false;
   }
 }
 
+// The bit fields of one 4-byte word per token lane: x[k] = field k of every byte.
 template <int BITS>
-static inline VI ld_codes(const uint8_t* row, int c) {
-  if (BITS == 8) return ld_c8(row + c * CW);
-  if (BITS == 4) return ld_c4(row + c * (2 * W));
-  return ld_c2(row + c * W);
+static inline void code_fields(VI w, VI* x) {
+  if (BITS == 8) {
+    x[0] = w;
+  } else if (BITS == 4) {
+    x[0] = ci_field<0>(w, 15);
+    x[1] = ci_field<4>(w, 15);
+  } else {
+    x[0] = ci_field<0>(w, 3);
+    x[1] = ci_field<2>(w, 3);
+    x[2] = ci_field<4>(w, 3);
+    x[3] = ci_field<6>(w, 3);
+  }
 }
 
-// S[m][t] for tokens [ta, tb) and MB rows (q8: MB rows of D bytes in code order):
-//  !GRP: the integer dot q8 . code (as float);
-//   GRP: sum over chunks and lanes of s[t][group(lane)] * (lane's integer dot), the lane's
-//        scale taken from ts.sv[t] + gbase[c] through lidx (lane -> group within a chunk).
+// S[m][t] for tokens [ta, tb) and MB rows (q8: MB rows of D bytes in code order), W tokens
+// per pass, one token per int32 lane: the pass's key rows are transposed into 4-byte words
+// (col[j] lane i = word j of token i's row) and each word's bit fields are multiplied with
+// the query's matching 4-byte word broadcast to every lane (vpdpbusd: 4 u8 x s8 products per
+// lane), so no horizontal reduction is needed.
+//  !GRP: S = the integer dot q8 . code (as float);
+//   GRP: S = sum over groups g (cpg words each) of sT[g][t] * (group g's integer dot), sT the
+//        tile's scales transposed (TT floats per group), groups in order.
+// Word j of a row holds channels [j * 32 / BITS, (j + 1) * 32 / BITS); within the query's
+// chunk c = j / DPC its field k sits at word c * W + k * DPC + j % DPC.
 template <int BITS, bool GRP, int MB>
-static void qk_int(const int8_t* q8, int D, const TileSrc& ts, int ta, int tb,
-                   const int32_t* lidx, const int32_t* gbase, float* S) {
-  constexpr int TB = W / MB;
+static void qk_int(const int8_t* q8, int D, const TileSrc& ts, int ta, int tb, int cpg,
+                   const float* sT, float* S) {
+  constexpr int MR = MB < 4 ? MB : 4;  // rows per pass over the transposed words
+  constexpr int NK = 8 / BITS;         // codes per byte
+  constexpr int DPC = W * BITS / 8;    // row words per chunk of CW codes
   constexpr bool SMALL = BITS < 8;
-  const int nc = D / CW;
-  for (int t0 = ta; t0 < tb; t0 += TB) {
-    const uint8_t* rows[TB];
-    const float* sv[TB];
-    for (int ti = 0; ti < TB; ++ti) {
-      const int t = imin(t0 + ti, tb - 1);
-      rows[ti] = ts.row[t];
-      sv[ti] = GRP ? ts.sv[t] : nullptr;
-    }
-    VF f[W];
-    if (!GRP) {
-      VI acc[W];
-      for (int i = 0; i < W; ++i) acc[i] = ci_zero();
-      for (int c = 0; c < nc; ++c)
-        for (int ti = 0; ti < TB; ++ti) {
-          const VI kv = ld_codes<BITS>(rows[ti], c);
-          for (int mi = 0; mi < MB; ++mi)
-            acc[mi * TB + ti] =
-                ci_dot<SMALL>(acc[mi * TB + ti], kv, ld_q8(q8 + (int64_t)mi * D + c * CW));
+  const int ncol = D * BITS / 32;
+  const int per = GRP ? cpg : ncol, ngrp = ncol / per;
+  VI col[128];
+  for (int t0 = ta; t0 < tb; t0 += W) {
+    const uint8_t* rows[W];
+    for (int i = 0; i < W; ++i) rows[i] = ts.row[imin(t0 + i, tb - 1)];
+    for (int j = 0; j < ncol; j += 8) ci_tr8(rows, 4 * j, imin(8, ncol - j), col + j);
+    for (int m0 = 0; m0 < MB; m0 += MR) {
+      const int8_t* qm = q8 + (int64_t)m0 * D;
+      VF f[MR];
+      for (int r = 0; r < MR; ++r) f[r] = vzero();  // (ngrp >= 1; for the compiler)
+      for (int g = 0; g < ngrp; ++g) {
+        // two accumulator sets (alternate words / fields) halve each vpdpbusd chain
+        VI a0[MR], a1[MR];
+        for (int r = 0; r < MR; ++r) a0[r] = a1[r] = ci_zero();
+        auto word = [&](int j, VI (&acc0)[MR], VI (&acc1)[MR]) {
+          VI x[NK];
+          code_fields<BITS>(col[j], x);
+          const int8_t* qw = qm + 4 * ((j / DPC) * W + j % DPC);
+          for (int k = 0; k < NK; ++k)
+            for (int r = 0; r < MR; ++r) {
+              VI& acc = (k & 1) ? acc1[r] : acc0[r];
+              acc = ci_dot<SMALL>(acc, x[k], ci_bcast4(qw + (int64_t)r * D + 4 * k * DPC));
+            }
+        };
+        int j = g * per;
+        const int je = j + per;
+        if (NK > 1) {
+          for (; j < je; ++j) word(j, a0, a1);
+        } else {
+          for (; j + 2 <= je; j += 2) {
+            word(j, a0, a1);
+            word(j + 1, a1, a0);
+          }
+          if (j < je) word(j, a0, a1);
         }
-      for (int i = 0; i < W; ++i) f[i] = ci_tof(acc[i]);
-    } else {
-      for (int i = 0; i < W; ++i) f[i] = vzero();
-      for (int c = 0; c < nc; ++c)
-        for (int ti = 0; ti < TB; ++ti) {
-          const VI kv = ld_codes<BITS>(rows[ti], c);
-          const VF ks = vperm_tab(sv[ti] + gbase[c], lidx);
-          for (int mi = 0; mi < MB; ++mi)
-            f[mi * TB + ti] = vfma(
-                ci_tof(ci_dot<SMALL>(ci_zero(), kv, ld_q8(q8 + (int64_t)mi * D + c * CW))), ks,
-                f[mi * TB + ti]);
+        for (int r = 0; r < MR; ++r) {
+          const VF d = ci_tof(ci_add(a0[r], a1[r]));
+          if (!GRP) f[r] = d;
+          else if (g == 0) f[r] = vmul(d, vload(sT + t0));
+          else f[r] = vfma(d, vload(sT + g * TT + t0), f[r]);
         }
+      }
+      for (int r = 0; r < MR; ++r) {
+        float* dst = S + (int64_t)(m0 + r) * SL + t0;
+        if (t0 + W <= tb) {
+          vstore(dst, f[r]);
+        } else {
+          float tmp[W];
+          vstore(tmp, f[r]);
+          for (int i = 0; i < tb - t0; ++i) dst[i] = tmp[i];
+        }
+      }
     }
-    float tmp[W];
-    vstore(tmp, vreduce(f));
-    for (int mi = 0; mi < MB; ++mi)
-      for (int ti = 0; ti < TB && t0 + ti < tb; ++ti) S[mi * SL + t0 + ti] = tmp[mi * TB + ti];
   }
 }
 
 template <int BITS, bool GRP>
 static void qk_int_rows(int MBq, const int8_t* q8, int D, const TileSrc& ts, int ta, int tb,
-                        const int32_t* lidx, const int32_t* gbase, float* S) {
+                        int cpg, const float* sT, float* S) {
   switch (MBq) {
-    case 1: qk_int<BITS, GRP, 1>(q8, D, ts, ta, tb, lidx, gbase, S); return;
-    case 2: qk_int<BITS, GRP, 2>(q8, D, ts, ta, tb, lidx, gbase, S); return;
-    case 3: qk_int<BITS, GRP, 3>(q8, D, ts, ta, tb, lidx, gbase, S); return;
-    case 4: qk_int<BITS, GRP, 4>(q8, D, ts, ta, tb, lidx, gbase, S); return;
-    case 8: qk_int<BITS, GRP, (8 <= W ? 8 : 1)>(q8, D, ts, ta, tb, lidx, gbase, S); return;
-    default: qk_int<BITS, GRP, (16 <= W ? 16 : 1)>(q8, D, ts, ta, tb, lidx, gbase, S); return;
+    case 1: qk_int<BITS, GRP, 1>(q8, D, ts, ta, tb, cpg, sT, S); return;
+    case 2: qk_int<BITS, GRP, 2>(q8, D, ts, ta, tb, cpg, sT, S); return;
+    case 3: qk_int<BITS, GRP, 3>(q8, D, ts, ta, tb, cpg, sT, S); return;
+    case 4: qk_int<BITS, GRP, 4>(q8, D, ts, ta, tb, cpg, sT, S); return;
+    case 8: qk_int<BITS, GRP, 8>(q8, D, ts, ta, tb, cpg, sT, S); return;
+    default: qk_int<BITS, GRP, 16>(q8, D, ts, ta, tb, cpg, sT, S); return;
   }
 }
 static void qk_int_kind(int bits, bool grp, int MBq, const int8_t* q8, int D, const TileSrc& ts,
-                        int ta, int tb, const int32_t* lidx, const int32_t* gbase, float* S) {
+                        int ta, int tb, int cpg, const float* sT, float* S) {
   if (bits == 8) {
-    if (grp) qk_int_rows<8, true>(MBq, q8, D, ts, ta, tb, lidx, gbase, S);
-    else qk_int_rows<8, false>(MBq, q8, D, ts, ta, tb, lidx, gbase, S);
+    if (grp) qk_int_rows<8, true>(MBq, q8, D, ts, ta, tb, cpg, sT, S);
+    else qk_int_rows<8, false>(MBq, q8, D, ts, ta, tb, cpg, sT, S);
   } else if (bits == 4) {
-    if (grp) qk_int_rows<4, true>(MBq, q8, D, ts, ta, tb, lidx, gbase, S);
-    else qk_int_rows<4, false>(MBq, q8, D, ts, ta, tb, lidx, gbase, S);
+    if (grp) qk_int_rows<4, true>(MBq, q8, D, ts, ta, tb, cpg, sT, S);
+    else qk_int_rows<4, false>(MBq, q8, D, ts, ta, tb, cpg, sT, S);
   } else {
-    if (grp) qk_int_rows<2, true>(MBq, q8, D, ts, ta, tb, lidx, gbase, S);
-    else qk_int_rows<2, false>(MBq, q8, D, ts, ta, tb, lidx, gbase, S);
+    if (grp) qk_int_rows<2, true>(MBq, q8, D, ts, ta, tb, cpg, sT, S);
+    else qk_int_rows<2, false>(MBq, q8, D, ts, ta, tb, cpg, sT, S);
   }
 }
 
@@ -1098,10 +1134,9 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   float* qsum = qsc + Mp;                           // Mp * ng: qs * group sums of q8
   float* zt = qsum + (size_t)Mp * (D / 4);          // TT * ng: the tile's zeros, transposed
   float* zsum = zt + (size_t)TT * (D / 4);          // Mp: q . z (per-channel keys)
-  int32_t* lidx = (int32_t*)(zsum + Mp);            // W: lane -> group within a chunk
-  int32_t* gbase = lidx + W;                        // D / CW: first group of each chunk
+  float* skT = zsum + Mp;                           // TT * ng: the tile's scales, transposed
   // P.V with folded value scales
-  float* PS = (float*)(gbase + 64);                 // Mp * (D/16) * SL weights P * s
+  float* PS = skT + (size_t)TT * (D / 4);          // Mp * (D/16) * SL weights P * s
   float* vsT = PS + (size_t)Mp * (D / 16) * SL;     // (D/16) * TT value scales, transposed
   float* vzT = vsT + (size_t)(D / 16) * TT;         // (D/16) * TT value zeros, transposed
   float* zp = vzT + (size_t)(D / 16) * TT;          // Mp * (D/16): sum_t P z
@@ -1149,15 +1184,17 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   if (iqk) {
     // code position -> channel (and its group), once per task; the kernels read MBq rows
     int16_t pc[512];
-    uint8_t pg[512];
+    uint8_t pg[512], cg[512];
+    for (int d = 0, g = 0, n = 0; d < D; ++d) {  // channel -> group (no division per channel)
+      cg[d] = (uint8_t)g;
+      if (igrp && ++n == P.kc.group) n = 0, ++g;
+    }
     for (int p = 0; p < D; ++p) {
       pc[p] = (int16_t)ichan(kbits, p);
-      pg[p] = (uint8_t)(igrp ? pc[p] / P.kc.group : 0);
+      pg[p] = cg[pc[p]];
     }
     for (int m = 0; m < MBq; ++m)  // Q in code order
       for (int p = 0; p < D; ++p) Qk[(int64_t)m * D + p] = Q[(int64_t)m * D + pc[p]];
-    for (int l = 0; l < W; ++l) lidx[l] = pg[4 * l];
-    for (int c = 0; c < D / CW; ++c) gbase[c] = igrp ? c * CW / P.kc.group : 0;
     if (!ichn) {
       for (int m = 0; m < MBq; ++m) {
         const int8_t* qr = q8 + (int64_t)m * D;
@@ -1240,13 +1277,14 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
           qsc[m] = quantize_q8(KV, D, q8 + (int64_t)m * D);
           zsum[m] = vhsum(zs);
         }
-        qk_int_kind(kbits, false, MBq, q8, D, ks, t, e, lidx, gbase, S);
+        qk_int_kind(kbits, false, MBq, q8, D, ks, t, e, 0, nullptr, S);
         for (int m = 0; m < M; ++m)
           for (int u = t; u < e; ++u) S[m * SL + u] = S[m * SL + u] * qsc[m] + zsum[m];
         t = e;
       }
     } else if (iqk) {
-      qk_int_kind(kbits, igrp, MBq, q8, D, ks, 0, nt, lidx, gbase, S);
+      if (igrp) transpose_tile(ks.sv[0], nt, ng, skT);
+      qk_int_kind(kbits, igrp, MBq, q8, D, ks, 0, nt, P.kc.group * kbits / 32, skT, S);
       if (igrp) {
         transpose_tile(ks.zv[0], nt, ng, zt);
         for (int m = 0; m < M; ++m)

@@ -171,6 +171,10 @@ struct VI {
   int32_t i[W];  // W int32 lanes, or 4W bytes (u8 codes / s8 query)
 };
 static inline VI ci_zero() { VI r; memset(&r, 0, sizeof(r)); return r; }
+static inline VI ci_add(VI a, VI b) {
+  for (int l = 0; l < W; ++l) a.i[l] += b.i[l];
+  return a;
+}
 template <bool SMALL>
 static inline VI ci_dot(VI acc, VI c, VI q) {
   const uint8_t* cb = (const uint8_t*)c.i;
@@ -180,28 +184,25 @@ static inline VI ci_dot(VI acc, VI c, VI q) {
   return acc;
 }
 static inline VF ci_tof(VI a) { VF r; for (int l = 0; l < W; ++l) r.v[l] = (float)a.i[l]; return r; }
-static inline VI ld_q8(const int8_t* p) { VI r; memcpy(r.i, p, sizeof(r.i)); return r; }
-static inline VI ld_c8(const uint8_t* p) { VI r; memcpy(r.i, p, sizeof(r.i)); return r; }
-static inline VI ld_c4(const uint8_t* p) {
+static inline VI ci_bcast4(const int8_t* p) {
   VI r;
-  uint8_t* b = (uint8_t*)r.i;
-  for (int i = 0; i < 2 * W; ++i) {
-    b[i] = p[i] & 15;
-    b[2 * W + i] = p[i] >> 4;
-  }
+  for (int l = 0; l < W; ++l) memcpy(&r.i[l], p, 4);
   return r;
 }
-static inline VI ld_c2(const uint8_t* p) {
+template <int SH>
+static inline VI ci_field(VI x, int mask) {
   VI r;
+  const uint8_t* xb = (const uint8_t*)x.i;
   uint8_t* b = (uint8_t*)r.i;
-  for (int k = 0; k < 4; ++k)
-    for (int i = 0; i < W; ++i) b[k * W + i] = (p[i] >> (2 * k)) & 3;
+  for (int i = 0; i < 4 * W; ++i) b[i] = (uint8_t)((xb[i] >> SH) & mask);
   return r;
 }
-static inline VF vperm_tab(const float* tab, const int32_t* idx) {
-  VF r;
-  for (int l = 0; l < W; ++l) r.v[l] = tab[idx[l]];
-  return r;
+static inline void ci_tr8(const uint8_t* const* rows, int off, int nd, VI* out) {
+  for (int j = 0; j < 8; ++j)
+    for (int l = 0; l < W; ++l) {
+      out[j].i[l] = 0;
+      if (j < nd) memcpy(&out[j].i[l], rows[l] + off + 4 * j, 4);
+    }
 }
 static inline void vq8_store(VF x, VF inv, int8_t* dst) {
   for (int l = 0; l < W; ++l) dst[l] = (int8_t)(int32_t)rintf(x.v[l] * inv.v[l]);
