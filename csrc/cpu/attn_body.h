@@ -1173,8 +1173,15 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
     for (int64_t x = (int64_t)M * vng * SL; x < (int64_t)MBp * vng * SL; ++x) PS[x] = 0.0f;
   // Integer Q.K: only for finite query rows (a NaN/Inf query takes the exact path, which
   // propagates it like the reference).
-  if (iqk)
-    for (int64_t x = 0; x < (int64_t)M * D && iqk; ++x) iqk = fabsf(Q[x]) <= 3.0e38f;
+  if (iqk) {  // x * 0 is NaN exactly for a non-finite x (rows are whole vectors: D % W == 0)
+    VF nf = vzero(), mx = vzero();
+    for (int64_t x = 0; x < (int64_t)M * D; x += W) {
+      const VF v = vload(Q + x);
+      nf = vadd(nf, vmul(v, vzero()));
+      mx = vmax(mx, vmax(v, vsub(vzero(), v)));
+    }
+    iqk = vhsum(nf) == 0.0f && vhmax(mx) <= 3.0e38f;
+  }
   const bool ichn = iqk && P.kc.granularity == kvq::GRAN_CHANNEL;
   const bool igrp = iqk && P.kc.granularity == kvq::GRAN_GROUP;
   const int kbits = P.kc.bits;
@@ -1200,9 +1207,13 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
         const int8_t* qr = q8 + (int64_t)m * D;
         qsc[m] = quantize_q8(Qk + (int64_t)m * D, D, q8 + (int64_t)m * D);
         if (m >= M) continue;  // zero rows: q8 = 0
-        int32_t isum[128] = {0};
-        for (int p = 0; p < D; ++p) isum[pg[p]] += qr[p];
-        for (int g = 0; g < ng; ++g) qsum[m * ng + g] = (float)isum[g] * qsc[m];
+        int32_t isum[4][128];  // four partial sums: no store-to-load chain per position
+        for (int k = 0; k < 4; ++k)
+          for (int g = 0; g < ng; ++g) isum[k][g] = 0;
+        for (int p = 0; p < D; p += 4)
+          for (int k = 0; k < 4; ++k) isum[k][pg[p + k]] += qr[p + k];
+        for (int g = 0; g < ng; ++g)
+          qsum[m * ng + g] = (float)(isum[0][g] + isum[1][g] + isum[2][g] + isum[3][g]) * qsc[m];
         // the staging keys read the rounded query too
         for (int p = 0; p < D; ++p) Q[(int64_t)m * D + pc[p]] = (float)qr[p] * qsc[m];
       }
@@ -1386,9 +1397,11 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
     for (int64_t x = 0; x < (int64_t)M * D; ++x) acc[x] *= f;
   }
   if (vperm) {  // accumulators back to channel order
+    int16_t vch[512];
+    for (int p = 0; p < D; ++p) vch[p] = (int16_t)perm_chan(vpk, p);
     for (int m = 0; m < M; ++m) {
       float* a = acc + (int64_t)m * D;
-      for (int p = 0; p < D; ++p) KV[perm_chan(vpk, p)] = a[p];
+      for (int p = 0; p < D; ++p) KV[vch[p]] = a[p];
       for (int d = 0; d < D; ++d) a[d] = KV[d];
     }
   }
