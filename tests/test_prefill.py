@@ -1,6 +1,6 @@
 """The prefill path (vllm_kvq.prefill): pages dequantized once by
-torch.ops.vllm_kvq.dequantize_pages, then torch's CPU flash attention with the residual
-window's masks, equals reference.paged_attention for every codec kind, R 1/32/128, chunked
+torch.ops.vllm_kvq.dequantize_pages, then vLLM's CPU attention op (no residual window) or
+torch's CPU flash attention with the residual window's masks, equals reference.paged_attention for every codec kind, R 1/32/128, chunked
 prefill with context, GQA, D 64/128, fp32 and bf16 queries; mixed batches split between the
 paged kernel (decodes, short chunks) and the flash path."""
 
@@ -79,6 +79,28 @@ def test_residual_windows_and_head_sizes(R, D):
         case, out, _ = run(fmt, D, 9, 3, qlens=qlens, ctx=ctx, dtype=torch.float32, seed=R + D)
         err = (out - case["expected"]).abs().max().item()
         assert err <= TOL[torch.float32], f"R={R} D={D} {qlens}/{ctx}: {err}"
+
+
+@pytest.mark.parametrize("op", ["vllm", "sdpa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_formats_without_a_window_take_vllms_op(op, dtype, monkeypatch):
+    """R == 1: vLLM's CPU attention op over the dequantized pages (one call for the step's
+    prefills, also a chunk with context and decodes through it with min_query=1), or with
+    vLLM's op unavailable (as under KVQ_PREFILL_OP=sdpa) torch's flash attention; both are
+    the reference."""
+    assert prefill.vllm_attention_op() is not None  # the CPU build of vLLM has the op
+    if op == "sdpa":
+        monkeypatch.setattr(prefill, "_vllm_op", False)
+    called = []
+    real = prefill._attend_vllm_op
+    monkeypatch.setattr(prefill, "_attend_vllm_op", lambda *a: called.append(1) or real(*a))
+    fmt = parse_format("int4_group32")
+    for qlens, ctx, mq in (([300, 200], [0, 261], prefill.PREFILL_MIN_QUERY),
+                           ([150, 1, 3], [0, 300, 129], 1)):
+        case, out, _ = run(fmt, 64, 9, 3, qlens=qlens, ctx=ctx, dtype=dtype, min_query=mq)
+        err = (out.float() - case["expected"]).abs().max().item()
+        assert err <= TOL[dtype], f"{op} {dtype} {qlens}/{ctx}: {err}"
+    assert bool(called) == (op == "vllm")
 
 
 def test_every_sequence_on_the_flash_path():
