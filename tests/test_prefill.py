@@ -1,8 +1,9 @@
 """The prefill path (vllm_kvq.prefill): pages dequantized once by
-torch.ops.vllm_kvq.dequantize_pages, then vLLM's CPU attention op (no residual window) or
-torch's CPU flash attention with the residual window's masks, equals reference.paged_attention for every codec kind, R 1/32/128, chunked
-prefill with context, GQA, D 64/128, fp32 and bf16 queries; mixed batches split between the
-paged kernel (decodes, short chunks) and the flash path."""
+torch.ops.vllm_kvq.dequantize_pages, then vLLM's CPU attention op (with a residual window:
+one request per run of R queries) or torch's CPU flash attention with the residual window's
+masks, equals reference.paged_attention for every codec kind, R 1/16/32/128, chunked prefill
+with context, GQA, D 64/128, fp32 and bf16 queries; mixed batches split between the paged
+kernel (decodes, short chunks) and the flash path."""
 
 import itertools
 
@@ -69,16 +70,25 @@ def test_prefill_equals_reference(name, dtype):
     torch.testing.assert_close(out[:n], kernel[:n], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("R", [1, 32, 128])
+@pytest.mark.parametrize("op", ["vllm", "sdpa"])
+@pytest.mark.parametrize("R", [1, 16, 32, 128])
 @pytest.mark.parametrize("D", [64, 128])
-def test_residual_windows_and_head_sizes(R, D):
+def test_residual_windows_and_head_sizes(R, D, op, monkeypatch):
     """int4_group32 with every residual window, the SmolLM2 GQA ratio, chunks whose edges
-    fall on and off residual-chunk and tile edges."""
+    fall on and off residual-chunk and tile edges; through vLLM's op (one request per run of
+    R queries when R % 32 == 0; R = 16 stays on torch's flash attention) and with vLLM's op
+    unavailable."""
+    if op == "sdpa":
+        monkeypatch.setattr(prefill, "_vllm_op", False)
+    called = []
+    real = prefill._attend_vllm_op
+    monkeypatch.setattr(prefill, "_attend_vllm_op", lambda *a: called.append(1) or real(*a))
     fmt = parse_format("int4_group32").with_residual(R if R > 1 else 0)
-    for qlens, ctx in (([385], [0]), ([256, 131], [128, 1001]), ([70], [127])):
+    for qlens, ctx in (([385], [0]), ([256, 131], [128, 1001]), ([70], [127]), ([97], [31])):
         case, out, _ = run(fmt, D, 9, 3, qlens=qlens, ctx=ctx, dtype=torch.float32, seed=R + D)
         err = (out - case["expected"]).abs().max().item()
-        assert err <= TOL[torch.float32], f"R={R} D={D} {qlens}/{ctx}: {err}"
+        assert err <= TOL[torch.float32], f"R={R} D={D} {op} {qlens}/{ctx}: {err}"
+    assert bool(called) == (op == "vllm" and R != 16)
 
 
 @pytest.mark.parametrize("op", ["vllm", "sdpa"])

@@ -1,5 +1,5 @@
-"""The prefill path: a long query chunk attends through vLLM's own CPU attention op (formats
-without a residual window) or torch's CPU flash attention (with one).
+"""The prefill path: a long query chunk attends through vLLM's own CPU attention op, or
+torch's CPU flash attention where that op is not there (or R % 32 != 0, or KVQ_PREFILL_OP=sdpa).
 
 Semantics are reference.paged_attention's: a query at position p reads positions
 < F(p) = floor((p+1)/R)*R from the quantized pages and [F(p), p] from the full-precision
@@ -9,11 +9,13 @@ chunk's own tokens are already written there when attend runs).
 Per prefill sequence: its pages [0, F(L-1)) are dequantized ONCE (torch.ops.vllm_kvq.
 dequantize_pages: the kernel's fp32 values rounded to the query dtype) into [1, H, Lp, D];
 then
-  * R == 1: one causal call of vLLM's CPU attention op for all the step's prefill
-    sequences, over a temporary paged cache of the dequantized keys and values (see
-    PREFILL_OP); torch's flash attention where vLLM's op is not available: one causal flash
-    call when there is no context, else tiles as below;
-  * otherwise the queries go in tiles of T positions (tile edges where (p+1) % T == 0, T a
+  * vLLM's op: one causal call for all the step's prefill sequences, over a temporary paged
+    cache of the dequantized keys and values (see PREFILL_OP); with R > 1 every run of R
+    queries sharing F(p) is a request of its own whose last block holds its staging rows
+    (_vllm_op_requests);
+  * torch's flash attention, R == 1: one causal flash call when there is no context, else
+    tiles as below;
+  * torch's flash attention, R > 1: the queries go in tiles of T positions (tile edges where (p+1) % T == 0, T a
     multiple of R, so F(p) is constant over every run of R queries), two flash calls per tile:
       A  pages [0, A) with no mask (A = Fa = F(first position of the tile), or one less when
          that would leave the first row nothing in B; every row sees them),
@@ -141,10 +143,10 @@ def _band_mask(p_first: int, p_last: int, R: int, dtype, masks: dict) -> torch.T
     return m
 
 
-# Formats without a residual window (R == 1) attend through vLLM's own CPU attention op
-# instead of torch's flash attention: the dequantized K/V of every prefill sequence of the
-# step go into one temporary bf16/fp32 paged cache in vLLM's layout (its reshape_and_cache),
-# then one causal call covers all of them. Measured (2-core Zen 4, 9/3/64, bf16, one
+# Prefills attend through vLLM's own CPU attention op instead of torch's flash attention:
+# the dequantized K/V of every prefill sequence of the step (and with R > 1 the staging rows
+# its runs of queries read) go into one temporary bf16/fp32 paged cache in vLLM's layout
+# (its reshape_and_cache), then one causal call covers all of them. Measured (2-core Zen 4, 9/3/64, bf16, one
 # 1024-token prompt, 2 threads): vLLM's op 8.0 ms, torch's flash attention 12.4 ms.
 # KVQ_PREFILL_OP=sdpa keeps torch's flash attention for every format (A/B runs).
 PREFILL_OP = os.environ.get("KVQ_PREFILL_OP", "vllm")
@@ -174,53 +176,103 @@ def vllm_attention_op():
     return _vllm_op or None
 
 
-def _vllm_op_step(seqs: list[PrefillSeq], Hq: int, H: int, D: int, dt, vop, masks: dict):
-    """The step's tensors for vLLM's op (the same for every layer): seq_lens, query starts,
-    block table and slot of every token of the temporary cache, scheduler metadata, ISA."""
-    key = ("vllm_op", Hq, H, D, dt)
+def _vllm_op_requests(seqs: list[PrefillSeq], R: int):
+    """The prefill rows as requests of vLLM's op over one temporary paged cache of block size
+    BS: (BS, per request (block ids, seq_len, query rows), page slots, staging gather
+    index into the staging rows, staging slots, number of blocks).
+
+    R == 1: one request per sequence over its dequantized pages [0, L). R > 1: one request
+    per run of queries sharing F(p) = floor((p+1)/R)*R, i.e. positions [F-1, F+R-2]: its keys
+    are the pages [0, F) (the sequence's page blocks, shared by its runs) followed by one
+    block of its own holding staging positions [F, F+R-2] in full precision, so vLLM's
+    causal rule (query i of a request sees keys [0, seq_len - q_len + i]) is exactly
+    "pages below F(p), staging [F(p), p]". BS = R then (R % 32 == 0, see _op_block)."""
+    BS = VLLM_OP_BLOCK if R == 1 else R
+    reqs, page_slots, stg_idx, stg_slots = [], [], [], []
+    nb = 0
+    for ps in seqs:
+        Lp = ps.L if R == 1 else ps.L // R * R
+        npb = (Lp + BS - 1) // BS
+        pages = list(range(nb, nb + npb))
+        page_slots.append(nb * BS + torch.arange(Lp))
+        nb += npb
+        if R == 1:
+            reqs.append((pages, ps.L, ps.q1 - ps.q0))
+            continue
+        p = ps.L - (ps.q1 - ps.q0)
+        while p < ps.L:
+            F = (p + 1) // R * R
+            last = min(F + R - 2, ps.L - 1)
+            reqs.append((pages[:F // R] + [nb], last + 1, last - p + 1))
+            # staging positions [F, last]: rows st0 + (pos - pos0) of the staging tensors
+            stg_idx.append(ps.st0 - ps.pos0 + torch.arange(F, last + 1))
+            stg_slots.append(nb * BS + torch.arange(last + 1 - F))
+            nb += 1
+            p = last + 1
+    cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long))
+    return BS, reqs, cat(page_slots), cat(stg_idx), cat(stg_slots), nb
+
+
+def _op_block_ok(R: int) -> bool:
+    """vLLM's CPU op takes block sizes that are multiples of 32; with R > 1 a block is R."""
+    return R == 1 or R % 32 == 0
+
+
+def _vllm_op_step(seqs: list[PrefillSeq], R: int, Hq: int, H: int, D: int, dt, vop,
+                  masks: dict):
+    """The step's tensors for vLLM's op (the same for every layer): the requests' seq_lens,
+    query starts, block table, the slots of the token-major buffer (pages then staging
+    rows), the staging gather index, scheduler metadata, ISA, block size and count."""
+    key = ("vllm_op", R, Hq, H, D, dt)
     got = masks.get(key)
     if got is None:
         vops, get_isa, split_kv = vop
-        BS = VLLM_OP_BLOCK
-        nbs = [(ps.L + BS - 1) // BS for ps in seqs]
-        first = [sum(nbs[:i]) for i in range(len(seqs))]
-        bt = torch.zeros(len(seqs), max(nbs), dtype=torch.int32)
-        for i, (b0, nb) in enumerate(zip(first, nbs)):
-            bt[i, :nb] = torch.arange(b0, b0 + nb, dtype=torch.int32)
-        slots = torch.cat([b0 * BS + torch.arange(ps.L) for b0, ps in zip(first, seqs)])
-        seq_lens = torch.tensor([ps.L for ps in seqs], dtype=torch.int32)
-        qsl = torch.tensor([0] + [ps.q1 - seqs[0].q0 for ps in seqs], dtype=torch.int32)
+        BS, reqs, page_slots, stg_idx, stg_slots, nblocks = _vllm_op_requests(seqs, R)
+        bt = torch.zeros(len(reqs), max(len(r[0]) for r in reqs), dtype=torch.int32)
+        for i, (blocks, _, _) in enumerate(reqs):
+            bt[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+        seq_lens = torch.tensor([r[1] for r in reqs], dtype=torch.int32)
+        qsl = torch.zeros(len(reqs) + 1, dtype=torch.int32)
+        qsl[1:] = torch.tensor([r[2] for r in reqs]).cumsum(0)
         isa = get_isa(dt, BS, D)
         meta = vops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(seqs), num_heads=Hq, num_kv_heads=H, head_dim=D, seq_lens=seq_lens,
+            num_reqs=len(reqs), num_heads=Hq, num_kv_heads=H, head_dim=D, seq_lens=seq_lens,
             dtype=dt, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
             enable_kv_split=split_kv)
-        got = masks[key] = (seq_lens, qsl, bt, slots, meta, isa, sum(nbs))
+        got = masks[key] = (seq_lens, qsl, bt, torch.cat([page_slots, stg_slots]),
+                            int(page_slots.numel()), stg_idx, meta, isa, BS, nblocks)
     return got
 
 
 def _attend_vllm_op(lops, query, cache, block_table, softmax_scale, out, seqs, vop,
-                    masks: dict) -> None:
-    """Every sequence of `seqs` (R == 1: all keys from the pages, this step's included)
-    through vLLM's CPU attention op over a temporary cache of the dequantized pages."""
+                    masks: dict, staging_k=None, staging_v=None) -> None:
+    """Every sequence of `seqs` through vLLM's CPU attention op over a temporary cache of the
+    dequantized pages (and with R > 1 the staging rows each run of queries reads)."""
     vops = vop[0]
+    R = lops.residual_chunk
     H, D, Hq, dt = cache.shape[1], query.shape[2], query.shape[1], query.dtype
-    seq_lens, qsl, bt, slots, meta, isa, nblocks = _vllm_op_step(seqs, Hq, H, D, dt, vop, masks)
-    bufs = masks.get(("vllm_op_bufs", Hq, H, D, dt))
+    (seq_lens, qsl, bt, slots, n_pages, stg_idx, meta, isa, BS,
+     nblocks) = _vllm_op_step(seqs, R, Hq, H, D, dt, vop, masks)
+    bkey = ("vllm_op_bufs", R, Hq, H, D, dt)
+    bufs = masks.get(bkey)
     if bufs is None:  # one set per step, reused by every layer
         kt = torch.empty(int(slots.numel()), H, D, dtype=dt)  # token-major, as vLLM's op takes
         # zeros: the op reads a block's unused slots (with zero weight; garbage could be NaN)
-        kc = torch.zeros(nblocks, H, VLLM_OP_BLOCK, D, dtype=dt)
-        bufs = masks[("vllm_op_bufs", Hq, H, D, dt)] = (kt, torch.empty_like(kt), kc,
-                                                         torch.zeros_like(kc))
+        kc = torch.zeros(nblocks, H, BS, D, dtype=dt)
+        bufs = masks[bkey] = (kt, torch.empty_like(kt), kc, torch.zeros_like(kc))
     kt, vt, kc, vc = bufs
     off = 0
     for ps in seqs:
-        lops._ops.dequantize_pages(cache, block_table[ps.s], ps.L, lops.k_codec, lops.v_codec,
-                                   lops.k_scale, lops.v_scale, lops.k_levels, lops.v_levels,
-                                   kt[off:off + ps.L].transpose(0, 1),
-                                   vt[off:off + ps.L].transpose(0, 1))
-        off += ps.L
+        Lp = ps.L if R == 1 else ps.L // R * R
+        if Lp:
+            lops._ops.dequantize_pages(cache, block_table[ps.s], Lp, lops.k_codec,
+                                       lops.v_codec, lops.k_scale, lops.v_scale, lops.k_levels,
+                                       lops.v_levels, kt[off:off + Lp].transpose(0, 1),
+                                       vt[off:off + Lp].transpose(0, 1))
+        off += Lp
+    if stg_idx.numel():
+        torch.index_select(staging_k, 0, stg_idx, out=kt[n_pages:])
+        torch.index_select(staging_v, 0, stg_idx, out=vt[n_pages:])
     vops.cpu_attn_reshape_and_cache(kt, vt, kc, vc, slots, isa)
     q0, q1 = seqs[0].q0, seqs[-1].q1
     vops.cpu_attention_with_kv_cache(
@@ -238,11 +290,12 @@ def attend_prefills(lops, query: torch.Tensor, cache: torch.Tensor, block_table:
     H, D = cache.shape[1], query.shape[2]
     dt = query.dtype
     T = _tile(R)
-    if R == 1 and split.prefills and query.dtype in (torch.bfloat16, torch.float32):
+    if split.prefills and _op_block_ok(R) and dt in (torch.bfloat16, torch.float32) and \
+            (R == 1 or staging_k.dtype == dt):
         vop = vllm_attention_op()
         if vop is not None:
             _attend_vllm_op(lops, query, cache, block_table, softmax_scale, out,
-                            split.prefills, vop, split.masks)
+                            split.prefills, vop, split.masks, staging_k, staging_v)
             return
     for ps in split.prefills:
         n = ps.q1 - ps.q0
