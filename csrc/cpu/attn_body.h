@@ -252,11 +252,34 @@ static void predecode_segment(const kvq::Codec& c, const kvq::Region& r, const u
 static inline int perm_chan(int kind, int p);
 static inline int ichan(int bits, int p);
 constexpr int kPermInt = 100;  // perm kind kPermInt + bits: the integer Q.K code order
+// The channel at each position of a permuted row, per perm kind, built once per process
+// (the index formulas hold for any head size <= 512): permute_row runs for every per-channel
+// scale row (KIVI keys: two rows per 32-token group), where per-element divisions cost ~6%.
+static const int16_t* perm_table(int kind) {
+  struct Tables {
+    int16_t t[5][512];
+    Tables() {
+      const int kinds[5] = {K_U4, K_U2, kPermInt + 8, kPermInt + 4, kPermInt + 2};
+      for (int k = 0; k < 5; ++k)
+        for (int p = 0; p < 512; ++p)
+          t[k][p] = (int16_t)(kinds[k] >= kPermInt ? ichan(kinds[k] - kPermInt, p)
+                                                   : perm_chan(kinds[k], p));
+    }
+  };
+  static const Tables tables;
+  switch (kind) {
+    case K_U4: return tables.t[0];
+    case K_U2: return tables.t[1];
+    case kPermInt + 8: return tables.t[2];
+    case kPermInt + 4: return tables.t[3];
+    default: return tables.t[4];
+  }
+}
 static void permute_row(float* x, int D, int kind) {
   float tmp[512];
+  const int16_t* tab = perm_table(kind);
   for (int d = 0; d < D; ++d) tmp[d] = x[d];
-  for (int p = 0; p < D; ++p)
-    x[p] = tmp[kind >= kPermInt ? ichan(kind - kPermInt, p) : perm_chan(kind, p)];
+  for (int p = 0; p < D; ++p) x[p] = tmp[tab[p]];
 }
 
 // perm_kind: K_U4/K_U2 when the fused path decodes this side permuted, else -1.
@@ -1197,7 +1220,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
       if (igrp && ++n == P.kc.group) n = 0, ++g;
     }
     for (int p = 0; p < D; ++p) {
-      pc[p] = (int16_t)ichan(kbits, p);
+      pc[p] = perm_table(kPermInt + kbits)[p];
       pg[p] = cg[pc[p]];
     }
     for (int m = 0; m < MBq; ++m)  // Q in code order
@@ -1220,7 +1243,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
     }
   } else if (kperm) {
     for (int m = 0; m < Mp; ++m)
-      for (int p = 0; p < D; ++p) Qk[(int64_t)m * D + p] = Q[(int64_t)m * D + perm_chan(kpk, p)];
+      for (int p = 0; p < D; ++p) Qk[(int64_t)m * D + p] = Q[(int64_t)m * D + perm_table(kpk)[p]];
   } else if (kfp8 && !ktok) {
     const float f = P.k_scale[T.h] * (P.kc.encoding == kvq::ENC_FP8_E4M3 ? 256.0f : 1.0f);
     for (int64_t x = 0; x < (int64_t)Mp * D; ++x) Qk[x] = Q[x] * f;
@@ -1289,8 +1312,11 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
           zsum[m] = vhsum(zs);
         }
         qk_int_kind(kbits, false, MBq, q8, D, ks, t, e, 0, nullptr, S);
-        for (int m = 0; m < M; ++m)
-          for (int u = t; u < e; ++u) S[m * SL + u] = S[m * SL + u] * qsc[m] + zsum[m];
+        for (int m = 0; m < M; ++m) {  // locals: through qsc/zsum (may alias S) it was scalar
+          const float a = qsc[m], b = zsum[m];
+          float* sm = S + m * SL;
+          for (int u = t; u < e; ++u) sm[u] = sm[u] * a + b;
+        }
         t = e;
       }
     } else if (iqk) {
