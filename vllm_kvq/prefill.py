@@ -1,5 +1,6 @@
 """The prefill path: a long query chunk attends through vLLM's own CPU attention op, or
-torch's CPU flash attention where that op is not there (or R % 32 != 0, or KVQ_PREFILL_OP=sdpa).
+torch's CPU flash attention where that op is not there (or R % 32 != 0, or
+KVQ_PREFILL_OP=sdpa).
 
 Semantics are reference.paged_attention's: a query at position p reads positions
 < F(p) = floor((p+1)/R)*R from the quantized pages and [F(p), p] from the full-precision
@@ -15,8 +16,9 @@ then
     (_vllm_op_requests);
   * torch's flash attention, R == 1: one causal flash call when there is no context, else
     tiles as below;
-  * torch's flash attention, R > 1: the queries go in tiles of T positions (tile edges where (p+1) % T == 0, T a
-    multiple of R, so F(p) is constant over every run of R queries), two flash calls per tile:
+  * torch's flash attention, R > 1: the queries go in tiles of T positions (tile edges
+    where (p+1) % T == 0, T a multiple of R, so F(p) is constant over every run of R
+    queries), two flash calls per tile:
       A  pages [0, A) with no mask (A = Fa = F(first position of the tile), or one less when
          that would leave the first row nothing in B; every row sees them),
       B  pages [A, Fb) then staging [Fa, last] in one key tensor, with a mask: a page
@@ -146,8 +148,10 @@ def _band_mask(p_first: int, p_last: int, R: int, dtype, masks: dict) -> torch.T
 # Prefills attend through vLLM's own CPU attention op instead of torch's flash attention:
 # the dequantized K/V of every prefill sequence of the step (and with R > 1 the staging rows
 # its runs of queries read) go into one temporary bf16/fp32 paged cache in vLLM's layout
-# (its reshape_and_cache), then one causal call covers all of them. Measured (2-core Zen 4, 9/3/64, bf16, one
-# 1024-token prompt, 2 threads): vLLM's op 8.0 ms, torch's flash attention 12.4 ms.
+# (its reshape_and_cache), then one causal call covers all of them. Measured (2-core Zen 4,
+# 9/3/64, bf16, one 1024-token prompt, 2 threads): vLLM's op 8.0 ms, torch's flash attention
+# 12.4 ms; end to end (4 x 4096 tokens) prefill x vLLM's own backend with a window: kivi2
+# 0.79 -> 1.23, nuq3 0.82 -> 1.08 (reports/e2e-speed).
 # KVQ_PREFILL_OP=sdpa keeps torch's flash attention for every format (A/B runs).
 PREFILL_OP = os.environ.get("KVQ_PREFILL_OP", "vllm")
 if PREFILL_OP not in ("vllm", "sdpa"):
@@ -186,7 +190,7 @@ def _vllm_op_requests(seqs: list[PrefillSeq], R: int):
     are the pages [0, F) (the sequence's page blocks, shared by its runs) followed by one
     block of its own holding staging positions [F, F+R-2] in full precision, so vLLM's
     causal rule (query i of a request sees keys [0, seq_len - q_len + i]) is exactly
-    "pages below F(p), staging [F(p), p]". BS = R then (R % 32 == 0, see _op_block)."""
+    "pages below F(p), staging [F(p), p]". BS = R then (R % 32 == 0, see _op_block_ok)."""
     BS = VLLM_OP_BLOCK if R == 1 else R
     reqs, page_slots, stg_idx, stg_slots = [], [], [], []
     nb = 0
