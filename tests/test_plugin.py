@@ -1,8 +1,12 @@
-"""The vLLM plugin: version pin, CUSTOM registration, CPU selection, config validated early."""
+"""The vLLM plugin: version pin, CUSTOM registration, CPU selection, config validated early,
+unsupported attention features refused by name."""
+from types import SimpleNamespace
+
 import pytest
+import torch
 import vllm
 
-from vllm_kvq import plugin
+from vllm_kvq import backend, plugin
 from vllm_kvq.model_prep import ensure_default_model
 
 
@@ -52,3 +56,22 @@ def test_the_budget_is_left_to_vllm_whatever_max_num_seqs():
     for seqs in (4, 256):
         cfg = engine_config({"method": "kivi2"}, max_num_seqs=seqs)
         assert cfg.cache_config.kv_cache_memory_bytes == 64 << 20
+
+
+@pytest.mark.parametrize("feature, kw", [
+    ("sinks", {"sinks": "tensor"}),
+    ("alibi_slopes", {"alibi_slopes": [0.5] * 4}),
+    ("kv_sharing_target_layer_name", {"kv_sharing_target_layer_name": "model.layers.0.attn"}),
+])
+def test_unsupported_attention_features_are_refused_by_name(feature, kw, monkeypatch):
+    """Attention sinks (gpt-oss), ALiBi and cross-layer KV sharing: the layer's impl refuses
+    them at construction, naming the feature (no engine needed: the refusal comes before the
+    impl reads anything else of the config)."""
+    if kw.get("sinks") == "tensor":
+        kw = {"sinks": torch.zeros(4)}
+    cfg = SimpleNamespace(additional_config={"kvq": {"method": "int4_group32"}},
+                          model_config=None)
+    monkeypatch.setattr(backend, "_ACTIVE", None)
+    monkeypatch.setattr(backend, "get_current_vllm_config", lambda: cfg)
+    with pytest.raises(NotImplementedError, match=f"does not support {feature}"):
+        backend.KVQAttentionImpl(4, 64, 0.125, 1, **kw)
