@@ -70,9 +70,12 @@ def test_prefill_equals_reference(name, dtype):
     torch.testing.assert_close(out[:n], kernel[:n], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("op", ["vllm", "sdpa"])
-@pytest.mark.parametrize("R", [1, 16, 32, 128])
-@pytest.mark.parametrize("D", [64, 128])
+# (R, D, op): every window through vLLM's op, R = 16 (R % 32 != 0) falling back to torch's
+# flash attention, and the flash path with and without a window (trimmed to keep the suite
+# inside its time budget; the full 4 x 2 x 2 cross product passed at 0bc7351)
+@pytest.mark.parametrize("R, D, op", [(1, 64, "vllm"), (32, 64, "vllm"), (128, 64, "vllm"),
+                                      (32, 128, "vllm"), (16, 64, "vllm"), (1, 128, "sdpa"),
+                                      (32, 64, "sdpa"), (128, 128, "sdpa")])
 def test_residual_windows_and_head_sizes(R, D, op, monkeypatch):
     """int4_group32 with every residual window, the SmolLM2 GQA ratio, chunks whose edges
     fall on and off residual-chunk and tile edges; through vLLM's op (one request per run of
