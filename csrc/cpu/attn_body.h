@@ -733,16 +733,20 @@ static void qk_int_kind(int bits, bool grp, int MBq, const int8_t* q8, int D, co
 
 // Row x[D] (code order) -> q8 = rint(x * 127 / max|x|); returns the row scale max|x| / 127
 // (0 for an all-zero row; NaN/Inf when x is not finite).
-static inline float quantize_q8(const float* x, int D, int8_t* q8) {
-  VF mx = vzero();
-  for (int d = 0; d < D; d += W) {
+// max|x| over n floats (n % W == 0), NaN when any is not finite: vmax drops NaN, so a
+// second sum of x * 0 (NaN exactly for a non-finite x) carries that.
+static inline float abs_max_or_nan(const float* x, int64_t n) {
+  VF mx = vzero(), nf = vzero();
+  for (int64_t d = 0; d < n; d += W) {
     const VF v = vload(x + d);
     mx = vmax(mx, vmax(v, vsub(vzero(), v)));
+    nf = vadd(nf, vmul(v, vzero()));
   }
-  VF nf = vzero();  // vmax drops NaN: x * 0 is NaN exactly for non-finite x
-  for (int d = 0; d < D; d += W) nf = vadd(nf, vmul(vload(x + d), vzero()));
-  float amax = vhmax(mx);
-  if (vhsum(nf) != 0.0f) amax = NAN;
+  return vhsum(nf) != 0.0f ? NAN : vhmax(mx);
+}
+
+static inline float quantize_q8(const float* x, int D, int8_t* q8) {
+  const float amax = abs_max_or_nan(x, D);
   const float inv = amax > 0.0f && amax <= 3.0e38f ? 127.0f / amax : 0.0f;
   const VF vi = vset(inv);
   for (int d = 0; d < D; d += W) vq8_store(vload(x + d), vi, q8 + d);
@@ -1196,15 +1200,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
     for (int64_t x = (int64_t)M * vng * SL; x < (int64_t)MBp * vng * SL; ++x) PS[x] = 0.0f;
   // Integer Q.K: only for finite query rows (a NaN/Inf query takes the exact path, which
   // propagates it like the reference).
-  if (iqk) {  // x * 0 is NaN exactly for a non-finite x (rows are whole vectors: D % W == 0)
-    VF nf = vzero(), mx = vzero();
-    for (int64_t x = 0; x < (int64_t)M * D; x += W) {
-      const VF v = vload(Q + x);
-      nf = vadd(nf, vmul(v, vzero()));
-      mx = vmax(mx, vmax(v, vsub(vzero(), v)));
-    }
-    iqk = vhsum(nf) == 0.0f && vhmax(mx) <= 3.0e38f;
-  }
+  if (iqk) iqk = abs_max_or_nan(Q, (int64_t)M * D) <= 3.0e38f;  // NaN compares false
   const bool ichn = iqk && P.kc.granularity == kvq::GRAN_CHANNEL;
   const bool igrp = iqk && P.kc.granularity == kvq::GRAN_GROUP;
   const int kbits = P.kc.bits;
@@ -1219,8 +1215,9 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
       cg[d] = (uint8_t)g;
       if (igrp && ++n == P.kc.group) n = 0, ++g;
     }
+    const int16_t* code_chan = perm_table(kPermInt + kbits);
     for (int p = 0; p < D; ++p) {
-      pc[p] = perm_table(kPermInt + kbits)[p];
+      pc[p] = code_chan[p];
       pg[p] = cg[pc[p]];
     }
     for (int m = 0; m < MBq; ++m)  // Q in code order
@@ -1242,8 +1239,9 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
       }
     }
   } else if (kperm) {
+    const int16_t* kch = perm_table(kpk);
     for (int m = 0; m < Mp; ++m)
-      for (int p = 0; p < D; ++p) Qk[(int64_t)m * D + p] = Q[(int64_t)m * D + perm_table(kpk)[p]];
+      for (int p = 0; p < D; ++p) Qk[(int64_t)m * D + p] = Q[(int64_t)m * D + kch[p]];
   } else if (kfp8 && !ktok) {
     const float f = P.k_scale[T.h] * (P.kc.encoding == kvq::ENC_FP8_E4M3 ? 256.0f : 1.0f);
     for (int64_t x = 0; x < (int64_t)Mp * D; ++x) Qk[x] = Q[x] * f;
@@ -1423,8 +1421,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
     for (int64_t x = 0; x < (int64_t)M * D; ++x) acc[x] *= f;
   }
   if (vperm) {  // accumulators back to channel order
-    int16_t vch[512];
-    for (int p = 0; p < D; ++p) vch[p] = (int16_t)perm_chan(vpk, p);
+    const int16_t* vch = perm_table(vpk);
     for (int m = 0; m < M; ++m) {
       float* a = acc + (int64_t)m * D;
       for (int p = 0; p < D; ++p) KV[vch[p]] = a[p];
