@@ -182,8 +182,8 @@ def vllm_attention_op():
 
 def _vllm_op_requests(seqs: list[PrefillSeq], R: int):
     """The prefill rows as requests of vLLM's op over one temporary paged cache of block size
-    BS: (BS, per request (block ids, seq_len, query rows), page slots, staging gather
-    index into the staging rows, staging slots, number of blocks).
+    BS: (BS, per request (block ids, seq_len, query rows), pages per sequence, page slots,
+    staging gather index into the staging rows, staging slots, number of blocks).
 
     R == 1: one request per sequence over its dequantized pages [0, L). R > 1: one request
     per run of queries sharing F(p) = floor((p+1)/R)*R, i.e. positions [F-1, F+R-2]: its keys
@@ -192,10 +192,11 @@ def _vllm_op_requests(seqs: list[PrefillSeq], R: int):
     causal rule (query i of a request sees keys [0, seq_len - q_len + i]) is exactly
     "pages below F(p), staging [F(p), p]". BS = R then (R % 32 == 0, see _op_block_ok)."""
     BS = VLLM_OP_BLOCK if R == 1 else R
-    reqs, page_slots, stg_idx, stg_slots = [], [], [], []
+    reqs, page_lens, page_slots, stg_idx, stg_slots = [], [], [], [], []
     nb = 0
     for ps in seqs:
-        Lp = ps.L if R == 1 else ps.L // R * R
+        Lp = ps.L // R * R  # pages [0, F(L-1)) (all of [0, L) when R == 1)
+        page_lens.append(Lp)
         npb = (Lp + BS - 1) // BS
         pages = list(range(nb, nb + npb))
         page_slots.append(nb * BS + torch.arange(Lp))
@@ -214,7 +215,7 @@ def _vllm_op_requests(seqs: list[PrefillSeq], R: int):
             nb += 1
             p = last + 1
     cat = (lambda xs: torch.cat(xs) if xs else torch.zeros(0, dtype=torch.long))
-    return BS, reqs, cat(page_slots), cat(stg_idx), cat(stg_slots), nb
+    return BS, reqs, page_lens, cat(page_slots), cat(stg_idx), cat(stg_slots), nb
 
 
 def _op_block_ok(R: int) -> bool:
@@ -222,16 +223,30 @@ def _op_block_ok(R: int) -> bool:
     return R == 1 or R % 32 == 0
 
 
+@dataclass
+class _OpStep:
+    """A step's inputs of vLLM's op, the same for every layer (see _vllm_op_requests)."""
+    seq_lens: torch.Tensor   # per request
+    qsl: torch.Tensor        # query start per request
+    block_table: torch.Tensor
+    slots: torch.Tensor      # of the token-major buffer: pages, then staging rows
+    page_lens: list[int]     # dequantized pages per sequence, in buffer order
+    stg_idx: torch.Tensor    # staging rows gathered behind the pages
+    meta: object             # vLLM's scheduler metadata
+    isa: str
+    block: int
+    nblocks: int
+
+
 def _vllm_op_step(seqs: list[PrefillSeq], R: int, Hq: int, H: int, D: int, dt, vop,
-                  masks: dict):
-    """The step's tensors for vLLM's op (the same for every layer): the requests' seq_lens,
-    query starts, block table, the slots of the token-major buffer (pages then staging
-    rows), the staging gather index, scheduler metadata, ISA, block size and count."""
+                  masks: dict) -> _OpStep:
+    """The step's _OpStep for these shapes, built once and shared by the step's layers."""
     key = ("vllm_op", R, Hq, H, D, dt)
     got = masks.get(key)
     if got is None:
         vops, get_isa, split_kv = vop
-        BS, reqs, page_slots, stg_idx, stg_slots, nblocks = _vllm_op_requests(seqs, R)
+        BS, reqs, page_lens, page_slots, stg_idx, stg_slots, nblocks = \
+            _vllm_op_requests(seqs, R)
         bt = torch.zeros(len(reqs), max(len(r[0]) for r in reqs), dtype=torch.int32)
         for i, (blocks, _, _) in enumerate(reqs):
             bt[i, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
@@ -243,8 +258,8 @@ def _vllm_op_step(seqs: list[PrefillSeq], R: int, Hq: int, H: int, D: int, dt, v
             num_reqs=len(reqs), num_heads=Hq, num_kv_heads=H, head_dim=D, seq_lens=seq_lens,
             dtype=dt, query_start_loc=qsl, causal=True, sliding_window_size=-1, isa=isa,
             enable_kv_split=split_kv)
-        got = masks[key] = (seq_lens, qsl, bt, torch.cat([page_slots, stg_slots]),
-                            int(page_slots.numel()), stg_idx, meta, isa, BS, nblocks)
+        got = masks[key] = _OpStep(seq_lens, qsl, bt, torch.cat([page_slots, stg_slots]),
+                                   page_lens, stg_idx, meta, isa, BS, nblocks)
     return got
 
 
@@ -255,35 +270,33 @@ def _attend_vllm_op(lops, query, cache, block_table, softmax_scale, out, seqs, v
     vops = vop[0]
     R = lops.residual_chunk
     H, D, Hq, dt = cache.shape[1], query.shape[2], query.shape[1], query.dtype
-    (seq_lens, qsl, bt, slots, n_pages, stg_idx, meta, isa, BS,
-     nblocks) = _vllm_op_step(seqs, R, Hq, H, D, dt, vop, masks)
+    st = _vllm_op_step(seqs, R, Hq, H, D, dt, vop, masks)
     bkey = ("vllm_op_bufs", R, Hq, H, D, dt)
     bufs = masks.get(bkey)
     if bufs is None:  # one set per step, reused by every layer
-        kt = torch.empty(int(slots.numel()), H, D, dtype=dt)  # token-major, as vLLM's op takes
+        kt = torch.empty(int(st.slots.numel()), H, D, dtype=dt)  # token-major, as vLLM's op takes
         # zeros: the op reads a block's unused slots (with zero weight; garbage could be NaN)
-        kc = torch.zeros(nblocks, H, BS, D, dtype=dt)
+        kc = torch.zeros(st.nblocks, H, st.block, D, dtype=dt)
         bufs = masks[bkey] = (kt, torch.empty_like(kt), kc, torch.zeros_like(kc))
     kt, vt, kc, vc = bufs
     off = 0
-    for ps in seqs:
-        Lp = ps.L if R == 1 else ps.L // R * R
+    for ps, Lp in zip(seqs, st.page_lens):
         if Lp:
             lops._ops.dequantize_pages(cache, block_table[ps.s], Lp, lops.k_codec,
                                        lops.v_codec, lops.k_scale, lops.v_scale, lops.k_levels,
                                        lops.v_levels, kt[off:off + Lp].transpose(0, 1),
                                        vt[off:off + Lp].transpose(0, 1))
         off += Lp
-    if stg_idx.numel():
-        torch.index_select(staging_k, 0, stg_idx, out=kt[n_pages:])
-        torch.index_select(staging_v, 0, stg_idx, out=vt[n_pages:])
-    vops.cpu_attn_reshape_and_cache(kt, vt, kc, vc, slots, isa)
+    if st.stg_idx.numel():
+        torch.index_select(staging_k, 0, st.stg_idx, out=kt[off:])
+        torch.index_select(staging_v, 0, st.stg_idx, out=vt[off:])
+    vops.cpu_attn_reshape_and_cache(kt, vt, kc, vc, st.slots, st.isa)
     q0, q1 = seqs[0].q0, seqs[-1].q1
     vops.cpu_attention_with_kv_cache(
         query=query[q0:q1], key_cache=kc, value_cache=vc, output=out[q0:q1],
-        query_start_loc=qsl, seq_lens=seq_lens, scale=softmax_scale, causal=True,
-        alibi_slopes=None, sliding_window=-1, block_table=bt, softcap=0.0,
-        scheduler_metadata=meta, s_aux=None)
+        query_start_loc=st.qsl, seq_lens=st.seq_lens, scale=softmax_scale, causal=True,
+        alibi_slopes=None, sliding_window=-1, block_table=st.block_table, softcap=0.0,
+        scheduler_metadata=st.meta, s_aux=None)
 
 
 def attend_prefills(lops, query: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
