@@ -69,6 +69,10 @@ TORCH_LIBRARY(vllm_kvq, ops) {
       "dequantize_pages(Tensor cache, Tensor block_row, int num_tokens, int[] k_codec, "
       "int[] v_codec, Tensor k_scale, Tensor v_scale, Tensor k_levels, Tensor v_levels, "
       "Tensor(a!) out_k, Tensor(b!) out_v) -> ()");
+  ops.def(
+      "stage_window(Tensor(a!) staging, Tensor key, Tensor value, Tensor(b!) pool, "
+      "Tensor gather_rows, Tensor gather_blk, Tensor gather_row, Tensor new_rows, "
+      "Tensor new_tok, Tensor keep_rows, Tensor keep_blk, Tensor keep_row) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vllm_kvq, CPU, ops) {
@@ -93,6 +97,13 @@ TORCH_LIBRARY_IMPL(vllm_kvq, CPU, ops) {
               c10::IntArrayRef vc, const at::Tensor& ks, const at::Tensor& vs,
               const at::Tensor& kl, const at::Tensor& vl, at::Tensor ok, at::Tensor ov) {
              kvq_cpu::dequantize_pages(cache, br, n, kc.vec(), vc.vec(), ks, vs, kl, vl, ok, ov);
+           });
+  ops.impl("stage_window",
+           [](at::Tensor st, const at::Tensor& k, const at::Tensor& v, at::Tensor pool,
+              const at::Tensor& gr, const at::Tensor& gb, const at::Tensor& gw,
+              const at::Tensor& nr, const at::Tensor& nt, const at::Tensor& kr,
+              const at::Tensor& kb, const at::Tensor& kw) {
+             kvq_cpu::stage_window(st, k, v, pool, gr, gb, gw, nr, nt, kr, kb, kw);
            });
 }
 

@@ -8,7 +8,8 @@ import torch
 from vllm_kvq import reference as ref
 from vllm_kvq.formats import parse_format
 from vllm_kvq.residual import (ResidualStateError, ResidualWindows, plan_tensors,
-                               stage_and_write, window_addresses)
+                               stage_and_write, stage_and_write_torch,
+                               window_addresses)
 
 B, H, HQ, D = 64, 2, 4, 64
 SCALE = D ** -0.5
@@ -71,9 +72,18 @@ class Sim:
         plan = self.windows.plan(seq_lens, qsl, tables, windows)
         md = SimpleNamespace(plan=plan, **plan_tensors(plan, "cpu"))
         addresses = window_addresses(md, torch.tensor(windows), self.windows.rows)
+        # the extension's row copies against torch indexing, on a copy of the pool and cache
+        pool_t, cache_t = self.pool.clone(), self.cache.clone()
+        want_k, want_v = stage_and_write_torch(
+            md, k, v, pool_t, addresses,
+            lambda a, b, s: ref.write_cache(a, b, cache_t, s, self.fmt, self.layout))
         st_k, st_v = stage_and_write(
             md, k, v, self.pool, addresses,
             lambda a, b, s: ref.write_cache(a, b, self.cache, s, self.fmt, self.layout))
+        filled = torch.cat([md.pool_gather[0], md.new_gather[0]])  # the others: never read
+        assert torch.equal(st_k[filled], want_k[filled])
+        assert torch.equal(st_v[filled], want_v[filled])
+        assert torch.equal(self.pool, pool_t) and torch.equal(self.cache, cache_t)
         out = ref.paged_attention(q, self.cache, bt, torch.tensor(seq_lens), torch.tensor(qsl),
                                   self.fmt, self.layout, SCALE, staging_k=st_k, staging_v=st_v,
                                   staging_start_loc=md.staging_start_loc,
@@ -222,3 +232,57 @@ def test_lookback_rows_do_not_change_plain_steps():
                                 p1.final_slots, p1.keep[0])
         L_prev = seq_lens[0] - qsl[1]
         assert p1.pool_gather[2] == [p % (32 + SPEC) for p in range(L_prev // 32 * 32, L_prev)]
+
+
+def _random_window_step(key_dtype, pool_dtype, seed=0):
+    """A step's row lists drawn at random (staging rows each filled once, kept rows from
+    staging), the layer's inputs, and a pool with strided blocks as vLLM's pages give it."""
+    g = torch.Generator().manual_seed(seed)
+    Ns, N, nb, rpb = 40, 12, 6, 5
+    rows = torch.randperm(Ns, generator=g)
+    pg, nw = rows[:25], rows[25:25 + N]
+    keep = rows[torch.randperm(25 + N, generator=g)[:9]]  # rows this step filled
+    md = SimpleNamespace(
+        plan=SimpleNamespace(num_staging=Ns),
+        pool_gather=(pg,), new_gather=(nw, torch.randperm(N, generator=g)),
+        keep=(keep,), final_rows=rows[:2],
+        final_slots=torch.tensor([7, 8], dtype=torch.int64))
+    addresses = ((torch.randint(nb, (25,), generator=g), torch.randint(rpb, (25,), generator=g)),
+                 (torch.randperm(nb * rpb, generator=g)[:9] // rpb,
+                  torch.randperm(nb * rpb, generator=g)[:9] % rpb))
+    # distinct (block, row) targets for the kept rows: a second write would be order-dependent
+    flat = torch.randperm(nb * rpb, generator=g)[:9]
+    addresses = (addresses[0], (flat // rpb, flat % rpb))
+    qkv = torch.randn(N, 3 * H + 1, D, generator=g).to(key_dtype)
+    key, value = qkv[:, 1:H + 1], qkv[:, H + 1:2 * H + 1]  # strided, as vLLM's qkv split
+    pages = torch.randn(nb, rpb * 2 * H * D + 32, generator=g).to(pool_dtype)
+    pool = pages[:, :rpb * 2 * H * D].view(nb, rpb, 2, H, D)  # blocks padded beyond the rows
+    return md, key, value, pages, pool, addresses
+
+
+@pytest.mark.parametrize("key_dtype,pool_dtype", [(torch.bfloat16, torch.bfloat16),
+                                                  (torch.float16, torch.float16),
+                                                  (torch.float32, torch.bfloat16)])
+def test_stage_window_op_matches_torch_indexing(key_dtype, pool_dtype):
+    md, key, value, pages, pool, addresses = _random_window_step(key_dtype, pool_dtype)
+    pages_t = pages.clone()
+    pool_t = pages_t[:, :pool[0].numel()].view(pool.shape)
+    writes, writes_t = [], []
+    got = stage_and_write(md, key, value, pool, addresses, lambda *a: writes.append(a))
+    want = stage_and_write_torch(md, key, value, pool_t, addresses,
+                                 lambda *a: writes_t.append(a))
+    filled = torch.cat([md.pool_gather[0], md.new_gather[0]])
+    assert all(torch.equal(a[filled], b[filled]) for a, b in zip(got, want))
+    assert torch.equal(pages, pages_t)  # padding untouched, same rows kept
+    assert len(writes) == 1 and all(torch.equal(a, b) for a, b in zip(writes[0], writes_t[0]))
+
+
+def test_stage_window_op_rejects_bad_rows():
+    md, key, value, pages, pool, addresses = _random_window_step(torch.bfloat16, torch.bfloat16)
+    (g_blk, g_row), keep = addresses
+    bad = g_blk.clone()
+    bad[2] = pool.shape[0]
+    with pytest.raises(RuntimeError, match=r"gather_blk\[2\] = 6 is outside \[0, 6\)"):
+        stage_and_write(md, key, value, pool, ((bad, g_row), keep), lambda *a: None)
+    with pytest.raises(RuntimeError, match="pool must be bfloat16 or float16"):
+        stage_and_write(md, key, value, pool.float(), addresses, lambda *a: None)

@@ -26,7 +26,8 @@ complete; until then every query reads it from staging.
 Attention reads positions < floor((p+1)/R)*R from the pages and the rest from staging, so
 every query sees exactly what a decode step at its position would see.
 
-Plain Python, no vLLM: tested on its own (tests/test_residual.py).
+Plain Python and one extension op (row copies), no vLLM: tested on its own
+(tests/test_residual.py).
 """
 from __future__ import annotations
 
@@ -213,8 +214,26 @@ def stage_and_write(md, key: torch.Tensor, value: torch.Tensor, pool: torch.Tens
     md: anything with the attributes of plan_tensors() plus `plan`; pool: the window rows
     [num_blocks, rows_per_block, 2, H, D]; addresses: window_addresses() for this layer's
     group; write(k_rows, v_rows, cache_slots) quantizes rows into the pages. Returns staging
-    (K, V) [Ns, H, D] for the attention kernel.
+    (K, V) [Ns, H, D] for the attention kernel. On the CPU the row copies are one call of
+    the extension (csrc/cpu/window_stage.cpp); elsewhere, and as its reference, torch
+    indexing (stage_and_write_torch).
     """
+    if pool.device.type != "cpu":
+        return stage_and_write_torch(md, key, value, pool, addresses, write)
+    H, D = key.shape[1:]
+    (g_blk, g_row), (k_blk, k_row) = addresses
+    st = torch.empty(2, md.plan.num_staging, H, D, dtype=key.dtype, device=key.device)
+    import vllm_kvq._C  # noqa: F401  -- registers torch.ops.vllm_kvq (cached after once)
+    torch.ops.vllm_kvq.stage_window(st, key, value, pool, md.pool_gather[0], g_blk, g_row,
+                                    *md.new_gather, md.keep[0], k_blk, k_row)
+    if md.final_rows.numel():
+        write(st[0, md.final_rows], st[1, md.final_rows], md.final_slots)
+    return st[0], st[1]
+
+
+def stage_and_write_torch(md, key: torch.Tensor, value: torch.Tensor, pool: torch.Tensor,
+                          addresses: tuple, write) -> tuple[torch.Tensor, torch.Tensor]:
+    """stage_and_write in torch indexing ops (any device)."""
     H, D = key.shape[1:]
     (g_blk, g_row), (k_blk, k_row) = addresses
     st = torch.empty(2, md.plan.num_staging, H, D, dtype=key.dtype, device=key.device)

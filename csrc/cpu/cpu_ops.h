@@ -38,6 +38,15 @@ void dequantize_pages(const at::Tensor& cache, const at::Tensor& block_row, int6
                       const at::Tensor& k_levels, const at::Tensor& v_levels, at::Tensor& out_k,
                       at::Tensor& out_v);
 
+// One layer's residual-window step (csrc/cpu/window_stage.cpp; reference:
+// vllm_kvq/residual.py stage_and_write): staging [2, Ns, H, D] rows from the window pool
+// [num_blocks, rows_per_block, 2, H, D] and from key/value, then the kept rows back.
+void stage_window(at::Tensor& staging, const at::Tensor& key, const at::Tensor& value,
+                  at::Tensor& pool, const at::Tensor& gather_rows, const at::Tensor& gather_blk,
+                  const at::Tensor& gather_row, const at::Tensor& new_rows,
+                  const at::Tensor& new_tok, const at::Tensor& keep_rows,
+                  const at::Tensor& keep_blk, const at::Tensor& keep_row);
+
 // Which SIMD path the kernels dispatch to on this CPU: "avx512", "avx2" or "scalar".
 std::string simd_path();
 
