@@ -253,7 +253,7 @@ static inline int perm_chan(int kind, int p);
 static inline int ichan(int bits, int p);
 constexpr int kPermInt = 100;  // perm kind kPermInt + bits: the integer Q.K code order
 // The channel at each position of a permuted row, per perm kind, built once per process
-// (the index formulas hold for any head size <= 512): permute_row runs for every per-channel
+// (the index formulas hold for any head size <= 512): cvt_f16_row runs for every per-channel
 // scale row (KIVI keys: two rows per 32-token group), where per-element divisions cost ~6%.
 static const int16_t* perm_table(int kind) {
   struct Tables {
@@ -275,11 +275,13 @@ static const int16_t* perm_table(int kind) {
     default: return tables.t[4];
   }
 }
-static void permute_row(float* x, int D, int kind) {
+// D fp16 values of a scale row -> dst in the permuted order of `kind` (kind < 0: as stored).
+static void cvt_f16_row(const uint8_t* src, int D, int kind, float* dst) {
+  if (kind < 0) return cvt_f16(src, D, 1.0f, dst);
   float tmp[512];
+  cvt_f16(src, D, 1.0f, tmp);
   const int16_t* tab = perm_table(kind);
-  for (int d = 0; d < D; ++d) tmp[d] = x[d];
-  for (int p = 0; p < D; ++p) x[p] = tmp[tab[p]];
+  for (int p = 0; p < D; ++p) dst[p] = tmp[tab[p]];
 }
 
 // perm_kind: K_U4/K_U2 when the fused path decodes this side permuted, else -1.
@@ -344,13 +346,9 @@ static void prep_segment(const kvq::Codec& c, const kvq::Region& r, const uint8_
         float* s = tb.cs + (int64_t)nch_rows * D;
         float* z = tb.cz + (int64_t)nch_rows * D;
         ++nch_rows;
-        cvt_f16(plane + r.scale_off + 2 * (int64_t)srow * D, D, 1.0f, s);
-        if (r.zero_bytes) cvt_f16(plane + r.zero_off + 2 * (int64_t)srow * D, D, 1.0f, z);
+        cvt_f16_row(plane + r.scale_off + 2 * (int64_t)srow * D, D, perm_kind, s);
+        if (r.zero_bytes) cvt_f16_row(plane + r.zero_off + 2 * (int64_t)srow * D, D, perm_kind, z);
         else for (int d = 0; d < D; ++d) z[d] = off_sym * s[d];
-        if (perm_kind >= 0) {
-          permute_row(s, D, perm_kind);
-          permute_row(z, D, perm_kind);
-        }
         const float** svp = ts.sv + at + i;
         const float** zvp = ts.zv + at + i;
         for (int k = 0; k < n; ++k) svp[k] = s;
@@ -1300,13 +1298,21 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
         const float* sc = ks.sv[t];
         const float* zc = ks.zv[t];
         for (int m = 0; m < MBq; ++m) {
+          // one pass: q' = q * s (kept in KV), max|q'|, zsum = q . z; a non-finite q' (the
+          // query is finite, so a non-finite scale) makes zsum NaN through q' * 0, and with
+          // it every logit of the run, as the exact path would (vmax drops NaN from max|q'|)
           const float* qr = Qk + (int64_t)m * D;
-          VF zs = vzero();
+          VF zs = vzero(), mx = vzero();
           for (int d = 0; d < D; d += W) {
-            vstore(KV + d, vmul(vload(qr + d), vload(sc + d)));
-            zs = vfma(vload(qr + d), vload(zc + d), zs);
+            const VF q = vload(qr + d), x = vmul(q, vload(sc + d));
+            vstore(KV + d, x);
+            mx = vmax(mx, vmax(x, vsub(vzero(), x)));
+            zs = vfma(q, vload(zc + d), vfma(x, vzero(), zs));
           }
-          qsc[m] = quantize_q8(KV, D, q8 + (int64_t)m * D);
+          const float amax = vhmax(mx);
+          const VF inv = vset(amax > 0.0f && amax <= 3.0e38f ? 127.0f / amax : 0.0f);
+          for (int d = 0; d < D; d += W) vq8_store(vload(KV + d), inv, q8 + (int64_t)m * D + d);
+          qsc[m] = amax / 127.0f;
           zsum[m] = vhsum(zs);
         }
         qk_int_kind(kbits, false, MBq, q8, D, ks, t, e, 0, nullptr, S);
