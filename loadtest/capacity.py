@@ -43,8 +43,8 @@ POLLED = ("vllm:num_requests_running", "vllm:num_requests_waiting",
 COLUMNS = ["method", "status", "bytes_per_token", "ratio_vs_bf16", "residual_tokens",
            "window_mib_per_seq", "capacity_tokens", "peak_running", "peak_vs_bf16",
            "peak_waiting", "preemptions", "requests_ok", "failures", "requests_per_s",
-           "output_tokens_per_s", "steady_gen_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s", "tpot_p99_s",
-           "note"]
+           "output_tokens_per_s", "steady_gen_tokens_per_s", "ttft_p50_s", "ttft_p99_s",
+           "tpot_p50_s", "tpot_p99_s", "note"]
 
 
 def free_port() -> int:

@@ -31,6 +31,7 @@ Plain Python and one extension op (row copies), no vLLM: tested on its own
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -207,6 +208,13 @@ def window_addresses(md, blocks: torch.Tensor, rows_per_block: int) -> tuple:
     return at(*md.pool_gather[1:]), at(*md.keep[1:])
 
 
+@functools.cache
+def _stage_window_op():
+    """The extension's stage_window, resolved once per process."""
+    import vllm_kvq._C  # noqa: F401  -- registers torch.ops.vllm_kvq
+    return torch.ops.vllm_kvq.stage_window
+
+
 def stage_and_write(md, key: torch.Tensor, value: torch.Tensor, pool: torch.Tensor,
                     addresses: tuple, write) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's step: build staging, quantize completed chunks, keep the rest.
@@ -223,9 +231,8 @@ def stage_and_write(md, key: torch.Tensor, value: torch.Tensor, pool: torch.Tens
     H, D = key.shape[1:]
     (g_blk, g_row), (k_blk, k_row) = addresses
     st = torch.empty(2, md.plan.num_staging, H, D, dtype=key.dtype, device=key.device)
-    import vllm_kvq._C  # noqa: F401  -- registers torch.ops.vllm_kvq (cached after once)
-    torch.ops.vllm_kvq.stage_window(st, key, value, pool, md.pool_gather[0], g_blk, g_row,
-                                    *md.new_gather, md.keep[0], k_blk, k_row)
+    _stage_window_op()(st, key, value, pool, md.pool_gather[0], g_blk, g_row,
+                       *md.new_gather, md.keep[0], k_blk, k_row)
     if md.final_rows.numel():
         write(st[0, md.final_rows], st[1, md.final_rows], md.final_slots)
     return st[0], st[1]

@@ -743,12 +743,16 @@ static inline float abs_max_or_nan(const float* x, int64_t n) {
   return vhsum(nf) != 0.0f ? NAN : vhmax(mx);
 }
 
-static inline float quantize_q8(const float* x, int D, int8_t* q8) {
-  const float amax = abs_max_or_nan(x, D);
+// quantize_q8 with max|x| (or NaN) already known.
+static inline float quantize_q8_amax(const float* x, int D, float amax, int8_t* q8) {
   const float inv = amax > 0.0f && amax <= 3.0e38f ? 127.0f / amax : 0.0f;
   const VF vi = vset(inv);
   for (int d = 0; d < D; d += W) vq8_store(vload(x + d), vi, q8 + d);
   return amax / 127.0f;
+}
+
+static inline float quantize_q8(const float* x, int D, int8_t* q8) {
+  return quantize_q8_amax(x, D, abs_max_or_nan(x, D), q8);
 }
 
 // ---- fused decode path ---------------------------------------------------------------------
@@ -1309,10 +1313,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
             mx = vmax(mx, vmax(x, vsub(vzero(), x)));
             zs = vfma(q, vload(zc + d), vfma(x, vzero(), zs));
           }
-          const float amax = vhmax(mx);
-          const VF inv = vset(amax > 0.0f && amax <= 3.0e38f ? 127.0f / amax : 0.0f);
-          for (int d = 0; d < D; d += W) vq8_store(vload(KV + d), inv, q8 + (int64_t)m * D + d);
-          qsc[m] = amax / 127.0f;
+          qsc[m] = quantize_q8_amax(KV, D, vhmax(mx), q8 + (int64_t)m * D);
           zsum[m] = vhsum(zs);
         }
         qk_int_kind(kbits, false, MBq, q8, D, ks, t, e, 0, nullptr, S);
