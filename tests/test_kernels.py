@@ -311,16 +311,19 @@ def run_ref(c):
         c.get("soft_cap", 0.0))
 
 
-# --- the int8 query of int keys ------------------------------------------------------------
-# Decode tasks with int keys (8/4/2 bits, no outlier slots) compute Q.K in the integer domain
+# --- the int8 query of int and nuq keys -----------------------------------------------------
+# Decode tasks with int keys (8/4/3/2 bits) or nuq keys compute Q.K in the integer domain
 # (csrc/cpu/attn_body.h "integer Q.K"): the query row x = q * softmax_scale * log2(e) is
-# rounded to int8 with one scale per row (qs = max|x|/127). For per-token / per-group /
-# static key scales the kernel then computes the exact attention of the rounded query; for
-# per-channel keys (KIVI) the channel scales fold into the query first (x' = x * s per scale
-# row, rounded the same way; the zero-points use the exact x). These references reproduce
-# both, so the kernels stay under the tight tolerances below; a row passes when it matches
-# the exact reference or the int8-query one (whether a task takes the integer path depends
-# on the SIMD path's vector width and on the task being a decode).
+# rounded to int8 with one scale per row (qs = max|x|/127). nuq keys read their levels in a
+# byte form: u = rint((level - lmin) * 255 / (lmax - lmin)), level^ = lmin + u * delta,
+# delta = (lmax - lmin) / 255 (int_levels). For per-token / per-group / static key scales the
+# kernel then computes the exact attention of the rounded query over the keys decoded with
+# level^ (outlier slots exact); for per-channel keys (KIVI, nuq3) the channel scales fold
+# into the query first (x' = x * s per scale row, rounded the same way; the zero-points and
+# the outlier slots' corrections use the exact x). These references reproduce both, so the
+# kernels stay under the tight tolerances below; a row passes when it matches the exact
+# reference or the int8-query one (whether a task takes the integer path depends on the
+# SIMD path's vector width and on the task being a decode).
 LOG2E = 1.4426950408889634
 
 
@@ -333,18 +336,33 @@ def _q8_round(x: torch.Tensor):
 
 def int_query_codec(fmt) -> bool:
     k = fmt.key
-    return k.encoding == "int" and k.bits in (8, 4, 2) and not k.outliers
+    return k.encoding == "nuq" or (k.encoding == "int" and k.bits in (8, 4, 3, 2))
+
+
+def int_levels(levels: torch.Tensor):
+    """A nuq codebook's byte form (see above): (level^, lmin, delta), float32 like the kernels."""
+    lv = torch.as_tensor(levels, dtype=torch.float32)
+    lmin, lmax = lv[0], lv[-1]
+    u = torch.round((lv - lmin) * (torch.tensor(255.0) / (lmax - lmin)))
+    delta = (lmax - lmin) / 255.0
+    return lmin + u * delta, lmin, delta
 
 
 def run_ref_int8q(c):
     """Reference attention with the kernels' int8 query (see above)."""
     fmt, lay = c["fmt"], c["lay"]
     sl2 = torch.tensor(c["softmax_scale"] * LOG2E, dtype=torch.float32)
+    nuq = fmt.key.encoding == "nuq"
+    if nuq:
+        lv_hat, lmin, delta = int_levels(c["k_levels"])
+        c = dict(c, k_levels=lv_hat)
     if fmt.key.granularity != "channel":
         q8, qs = _q8_round(c["query"].float() * sl2)
         return run_ref(dict(c, query=((q8 * qs).double() / sl2.double()).float()))
     # per-channel keys: logit_j = qs' (q8' . code_j) + x . z  with x' = x * s, per scale row
-    #   = q~ . (k_j - z) + x . z,  q~ = qs' q8' / s  (0 where s = 0: then code = 0, k = z)
+    #   = q~ . (k_j - z) + x . z,  q~ = qs' q8' / s  (0 where s = 0: then code = 0, k = z);
+    # nuq: s, z are s * delta, z + s * lmin; outlier slots: k_j is the dense decode there,
+    # and x . (slot value - dense) is added
     query, cache, bt = c["query"], c["cache"], c["block_table"]
     T, Hq, D = query.shape
     H, B, R, G = cache.shape[1], lay.block_size, fmt.residual_chunk, fmt.key.group
@@ -359,6 +377,7 @@ def run_ref_int8q(c):
             continue
         nblk = (L + B - 1) // B
         K, V = torch.zeros(H, nblk * B, D), torch.zeros(H, nblk * B, D)
+        Kd = torch.zeros(H, nblk * B, D)  # dense decode (outlier slots not applied)
         Sc, Z = torch.zeros(H, nblk * B // G, D), torch.zeros(H, nblk * B // G, D)
         for j in range(nblk):
             blk = int(bt[s, j])
@@ -366,9 +385,13 @@ def run_ref_int8q(c):
                 k, v = reference.read_block(cache, blk, h, fmt, lay, c["k_scale"], c["v_scale"],
                                             c.get("k_levels"), c.get("v_levels"))
                 K[h, j * B:(j + 1) * B], V[h, j * B:(j + 1) * B] = k, v
+                Kd[h, j * B:(j + 1) * B] = reference._decode_dense(
+                    planes[blk, h], r, fmt.key, D, B, 1.0, c.get("k_levels"))
                 sc = reference._fp16_field(planes[blk, h], r["scale_off"], n).reshape(-1, D)
                 z = (reference._fp16_field(planes[blk, h], r["zero_off"], n).reshape(-1, D)
                      if r["zero_bytes"] else -(2.0 ** (fmt.key.bits - 1)) * sc)
+                if nuq:
+                    sc, z = sc * delta, z + sc * lmin
                 Sc[h, j * B // G:(j + 1) * B // G], Z[h, j * B // G:(j + 1) * B // G] = sc, z
         first = L - (q1 - q0)
         for i in range(q1 - q0):
@@ -388,8 +411,9 @@ def run_ref_int8q(c):
                 q8, qs = _q8_round(xs)
                 qt = torch.where(Sc[h] != 0, q8 * qs / Sc[h], torch.zeros_like(xs))
                 rowof = torch.arange(F) // G
-                kz = K[h, :F] - Z[h][rowof]
-                lg = (qt.double()[rowof] * kz.double()).sum(-1) + (Z[h][rowof].double() @ x.double())
+                kz = Kd[h, :F] - Z[h][rowof]
+                lg = ((qt.double()[rowof] * kz.double()).sum(-1) + (Z[h][rowof].double() @ x.double())
+                      + (K[h, :F] - Kd[h, :F]).double() @ x.double())
                 if Ks is not None:
                     lg = torch.cat([lg, Ks[h].double() @ x.double()])
                 lo = max(0, p - c["window"] + 1) if c.get("window") else 0  # keys (p - W, p]
@@ -835,7 +859,17 @@ INT_QK_FORMATS = ["int8_token", "int4_group32", "int2_group32", "int4_token_sym"
 # (a row of 32 or 64 bytes, 1..8 query rows per kv head, 1 to 16 words per scale group)
 INT_QK_CASES = [(n, 128, 4) for n in INT_QK_FORMATS] + [
     ("int4_group32", 64, 3), ("kivi2", 64, 3), ("int2_group16", 64, 1), ("int8_token", 64, 2),
-    ("int8_group16", 256, 8), ("kivi4", 256, 4), ("int4_group64", 256, 1)]
+    ("int8_group16", 256, 8), ("kivi4", 256, 4), ("int4_group64", 256, 1),
+    # nuq levels through their byte table, 3-bit codes repacked, outlier slots corrected
+    ("nuq3", 64, 3), ("nuq3", 128, 4), ("nuq4", 64, 3), ("nuq2", 64, 3), ("nuq3_token_o1", 64, 3),
+    ("nuq4_group32_o2", 128, 2), ("nuq2_group16", 256, 4), ("int3_group32", 128, 4),
+    ("int3_channel32_r32", 64, 3), ("int4_token_o1", 64, 3), ("int8_group32_o2", 128, 8)]
+
+
+def skewed_levels(bits: int) -> torch.Tensor:
+    """A non-uniform codebook (levels crowded near 0): the byte form rounds them."""
+    u = reference.uniform_levels(bits).double()
+    return (u.sign() * u.abs() ** 1.6).float()
 
 
 @pytest.mark.parametrize("name,D,gq", INT_QK_CASES, ids=[f"{n}-D{D}-gq{g}" for n, D, g in INT_QK_CASES])
@@ -848,8 +882,10 @@ def test_attention_int8_query(name, D, gq):
     3.1e-2 per-channel keys: the folded query x * s has a wider range than x)."""
     fmt = parse_format(name)
     B = max(32, fmt.residual_chunk)
+    levels = tuple(skewed_levels(x.bits) if x.encoding == "nuq" else None
+                   for x in (fmt.key, fmt.value))
     c = build_case(name, D, B, gq=gq, H=2, dtype=torch.float32,
-                   seqs=[(300, 1), (97, 1), (B + 5, 1)], seed=_seed(name, "iq"))
+                   seqs=[(300, 1), (97, 1), (B + 5, 1)], seed=_seed(name, "iq"), levels=levels)
     n = int(c["query_start_loc"][-1])
     exact, approx = run_ref(c)[:n], run_ref_int8q(c)[:n]
     for path in PATHS:

@@ -21,7 +21,7 @@ from vllm_kvq.config import config_from_dict, load_levels, resolve_calibration
 from vllm_kvq.formats import Codec, FormatError, KVFormat, parse_format
 from vllm_kvq.tools.calibrate.normalize import codec_granularity, normalize
 from test_kernels import (PATHS, _seed, _slots_for, assert_attn_close, assert_same_cache,
-                          build_case, make_tokens, run_mine, run_ref, simd)
+                          build_case, make_tokens, run_mine, run_refs, simd)
 
 pytest.importorskip("vllm_kvq._C")
 
@@ -332,7 +332,7 @@ def test_attention_matches_reference(name, dtype):
     fmt = parse_format(name)
     c = build_case(name, 64, max(32, fmt.residual_chunk), gq=3, H=2, dtype=dtype,
                    seed=_seed(name), levels=levels_for(fmt, "random" if "2" in name else "powered"))
-    want = run_ref(c)
+    want = run_refs(c)
     for path in PATHS:
         assert_attn_close(run_mine(c, path), want, dtype, what=f"{name} {path}")
 
@@ -345,7 +345,7 @@ def test_attention_crowded_and_shapes(name):
     c = build_case(name, 128, 16, gq=8, H=1, dtype=torch.float32, seqs=[(50, 50), (70, 1)],
                    seed=9, levels=levels_for(fmt), tokens=lambda s, L: (
                        crowded_tokens(L, 1, 128, gen), crowded_tokens(L, 1, 128, gen)))
-    want = run_ref(c)
+    want = run_refs(c)
     for path in PATHS:
         assert_attn_close(run_mine(c, path), want, torch.float32, scale=10, what=path)
 
@@ -367,7 +367,7 @@ def test_attention_reads_the_outlier_slots():
         plane[off:off + 2] = val.half().view(torch.uint8)
     after = run_mine(c)
     assert (after - before).abs().max() > 1e-3
-    assert_attn_close(after, run_ref(c), torch.float32)
+    assert_attn_close(after, run_refs(c), torch.float32)
 
 
 # --- real K/V ----------------------------------------------------------------------------
@@ -418,7 +418,7 @@ def test_real_kv_kernels_match_reference(real_kv, layer):
         c = build_case(fmt, D, B, gq=3, H=H, dtype=torch.float32,
                        seqs=[(96, 96), (200, 17), (256, 1)], seed=layer, levels=(kl, vl),
                        tokens=lambda s, L: (K[:L], V[:L]))
-        want_o = run_ref(c)
+        want_o = run_refs(c)
         for path in PATHS:
             assert_attn_close(run_mine(c, path), want_o, torch.float32, what=f"{name} {path}")
 

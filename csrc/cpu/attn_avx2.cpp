@@ -178,6 +178,12 @@ static inline VF ld_t2(const uint8_t* p, const float* tab) {  // 2 bytes
   return _mm256_permutevar8x32_ps(_mm256_loadu_ps(tab), v);
 }
 
+// even / odd lanes of the 2W floats a:b (a's first): even = a0 a2 .. b0 b2 .., odd = a1 a3 ..
+static inline void vdeint(VF a, VF b, VF& even, VF& odd) {
+  even = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+  odd = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+}
+
 // lane l = base[l * stride]
 static inline VF vgather(const float* base, int stride) {
   const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
@@ -274,6 +280,86 @@ static inline void ci_tr8(const uint8_t* const* rows, int off, int nd, VI* out) 
   for (int e = 0; e < 4; ++e) {
     out[e] = _mm256_permute2x128_si256(u[e], u[e + 4], 0x20);
     out[e + 4] = _mm256_permute2x128_si256(u[e], u[e + 4], 0x31);
+  }
+}
+// Lane masks and gathers for the outlier slots (attn_body.h "outlier slots"): VM lanes are
+// all ones or zero; masked-off lanes of a gather read nothing and give 0.
+typedef __m256i VM;
+static inline VI ci_set1(int x) { return _mm256_set1_epi32(x); }
+static inline VI ci_iota() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+static inline VI ci_mullo(VI a, VI b) { return _mm256_mullo_epi32(a, b); }
+static inline VI ci_and(VI a, VI b) { return _mm256_and_si256(a, b); }
+static inline VI ci_srlv(VI a, VI n) { return _mm256_srlv_epi32(a, n); }  // n >= 32: 0
+static inline VM ci_lt(VI a, VI b) { return _mm256_cmpgt_epi32(b, a); }
+static inline VM vm_and(VM a, VM b) { return _mm256_and_si256(a, b); }
+static inline VM vm_first(int n) { return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), ci_iota()); }
+static inline VI ci_sel0(VM m, VI a) { return _mm256_and_si256(m, a); }
+static inline VF vsel0(VM m, VF a) { return _mm256_and_ps(_mm256_castsi256_ps(m), a); }
+// lane l = the 4 bytes at base + off[l]
+static inline VI ci_gather(const void* base, VI off, VM m) {
+  return _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int*)base, off, m, 1);
+}
+static inline VF vgather_idx(const float* base, VI idx, VM m) {
+  return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), base, idx, _mm256_castsi256_ps(m), 4);
+}
+static inline VI ci_load(const void* p, VM m) { return _mm256_maskload_epi32((const int*)p, m); }
+static inline VF vload_m(const float* p, VM m) { return _mm256_maskload_ps(p, m); }
+// lane l = tab[idx[l] & 15] (16 floats; two vpermps and a blend on bit 3)
+static inline VF vlut16(VI idx, const float* tab) {
+  const VF lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(tab), idx);
+  const VF hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(tab + 8), idx);
+  return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+// lane l = tab[idx[l]] for idx < n (a gather); masked-off lanes are 0.
+static inline VF vtab(const float* tab, int, VI idx, VM m) { return vgather_idx(tab, idx, m); }
+static inline VI ci_tab(const int32_t* tab, int, VI idx, VM m) { return ci_gather(tab, _mm256_slli_epi32(idx, 2), m); }
+// the fp16 in the low half of each lane -> float
+static inline VF ci_f16lo(VI a) {
+  const __m256i w = _mm256_shuffle_epi8(a, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1,
+                                                            -1, -1, -1, -1, -1, 0, 1, 4, 5, 8, 9,
+                                                            12, 13, -1, -1, -1, -1, -1, -1, -1, -1));
+  return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(w, 0x08)));
+}
+static inline void ci_store(int32_t* p, VI a) { _mm256_storeu_si256((__m256i*)p, a); }
+
+// A 16-byte table in both 128-bit lanes: ci_lut16's operand.
+static inline VI ci_tab16(const uint8_t* t) {
+  return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)t));
+}
+// Every byte x (a code < 16, ci_field's output) -> tab[x] (vpshufb).
+static inline VI ci_lut16(VI x, VI tab) { return _mm256_shuffle_epi8(tab, x); }
+// D packed 3-bit codes (8 per 3 bytes) -> D/2 bytes of 4-bit codes (code i in nibble i),
+// D % 16 == 0. Per 16 codes: their 6 bytes in both 128-bit lanes, vpshufb puts the two
+// bytes holding code 8L + w in word w of lane L; (x << (13 - s)) >> 13 with s = 3w mod 8
+// (vpmullw by a power of two: AVX2 has no per-word shift) leaves the code; each dword's two
+// codes become one byte (w | w >> 12), and the lanes' four bytes are stored.
+static inline void cvt3to4_row(const uint8_t* src, int D, uint8_t* dst) {
+  alignas(32) static const struct Tabs {
+    uint8_t idx[32];
+    uint16_t mul[16];
+    Tabs() {
+      for (int L = 0; L < 2; ++L)
+        for (int w = 0; w < 8; ++w) {
+          idx[16 * L + 2 * w] = (uint8_t)(3 * L + 3 * w / 8);
+          idx[16 * L + 2 * w + 1] = (uint8_t)(3 * L + 3 * w / 8 + 1);
+          mul[8 * L + w] = (uint16_t)(1u << (13 - 3 * w % 8));
+        }
+    }
+  } tabs;
+  const __m256i idx = _mm256_load_si256((const __m256i*)tabs.idx);
+  const __m256i mul = _mm256_load_si256((const __m256i*)tabs.mul);
+  const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
+                                        -1, -1, -1, -1);
+  for (int d = 0; d < D; d += 16) {
+    uint64_t w = 0;
+    memcpy(&w, src + d / 8 * 3, 6);
+    __m256i y = _mm256_shuffle_epi8(_mm256_set1_epi64x((long long)w), idx);
+    y = _mm256_srli_epi16(_mm256_mullo_epi16(y, mul), 13);
+    y = _mm256_shuffle_epi8(_mm256_or_si256(y, _mm256_srli_epi32(y, 12)), pick);
+    const uint32_t lo = (uint32_t)_mm256_extract_epi32(y, 0), hi = (uint32_t)_mm256_extract_epi32(y, 4);
+    memcpy(dst + d / 2, &lo, 4);
+    memcpy(dst + d / 2 + 4, &hi, 4);
   }
 }
 // dst[0..W) = (int8) rint(x * inv); |x * inv| <= 127.

@@ -187,6 +187,13 @@ static inline VF ld_t2(const uint8_t* p, const float* tab) {  // W/4 bytes
                                _mm512_loadu_ps(tab));
 }
 
+// even / odd lanes of the 2W floats a:b (a's first): even = a0 a2 .. b0 b2 .., odd = a1 a3 ..
+static inline void vdeint(VF a, VF b, VF& even, VF& odd) {
+  const __m512i e = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  even = _mm512_permutex2var_ps(a, e, b);
+  odd = _mm512_permutex2var_ps(a, _mm512_add_epi32(e, _mm512_set1_epi32(1)), b);
+}
+
 // lane l = base[l * stride]
 static inline VF vgather(const float* base, int stride) {
   const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
@@ -276,6 +283,91 @@ static inline void ci_tr8(const uint8_t* const* rows, int off, int nd, VI* out) 
   for (int e = 0; e < 4; ++e) {
     out[e] = _mm512_permutex2var_epi64(u[e], lo, u[e + 4]);
     out[e + 4] = _mm512_permutex2var_epi64(u[e], hi, u[e + 4]);
+  }
+}
+// Lane masks and gathers for the outlier slots (attn_body.h "outlier slots"): VM has one
+// bit per lane; masked-off lanes of a gather read nothing and give 0.
+typedef __mmask16 VM;
+static inline VI ci_set1(int x) { return _mm512_set1_epi32(x); }
+static inline VI ci_iota() {
+  return _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+}
+static inline VI ci_mullo(VI a, VI b) { return _mm512_mullo_epi32(a, b); }
+static inline VI ci_and(VI a, VI b) { return _mm512_and_si512(a, b); }
+static inline VI ci_srlv(VI a, VI n) { return _mm512_srlv_epi32(a, n); }  // n >= 32: 0
+static inline VM ci_lt(VI a, VI b) { return _mm512_cmplt_epi32_mask(a, b); }
+static inline VM vm_and(VM a, VM b) { return (VM)(a & b); }
+static inline VM vm_first(int n) { return (VM)(n >= 16 ? 0xFFFF : (1u << n) - 1); }
+static inline VI ci_sel0(VM m, VI a) { return _mm512_maskz_mov_epi32(m, a); }
+static inline VF vsel0(VM m, VF a) { return _mm512_maskz_mov_ps(m, a); }
+// lane l = the 4 bytes at base + off[l]
+static inline VI ci_gather(const void* base, VI off, VM m) {
+  return _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, off, base, 1);
+}
+static inline VF vgather_idx(const float* base, VI idx, VM m) {
+  return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, base, 4);
+}
+static inline VI ci_load(const void* p, VM m) { return _mm512_maskz_loadu_epi32(m, p); }
+static inline VF vload_m(const float* p, VM m) { return _mm512_maskz_loadu_ps(m, p); }
+// lane l = tab[idx[l] & 15] (16 floats; vpermps)
+static inline VF vlut16(VI idx, const float* tab) {
+  return _mm512_permutexvar_ps(idx, _mm512_loadu_ps(tab));
+}
+// lane l = tab[idx[l]] for idx < n (n % 16 == 0): up to 64 entries by vpermt2ps from the
+// table's registers (a bit-5 blend), more by a gather; masked-off lanes are 0.
+static inline VF vtab(const float* tab, int n, VI idx, VM m) {
+  if (n <= 32) {
+    const VF a = _mm512_loadu_ps(tab), b = n > 16 ? _mm512_loadu_ps(tab + 16) : a;
+    return _mm512_maskz_permutex2var_ps(m, a, idx, b);
+  }
+  if (n <= 64) {
+    const VF a = _mm512_loadu_ps(tab), b = _mm512_loadu_ps(tab + 16);
+    const VF c = _mm512_loadu_ps(tab + 32), d = n > 48 ? _mm512_loadu_ps(tab + 48) : c;
+    const VF lo = _mm512_permutex2var_ps(a, idx, b), hi = _mm512_permutex2var_ps(c, idx, d);
+    const __mmask16 up = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
+    return _mm512_maskz_mov_ps(m, _mm512_mask_blend_ps(up, lo, hi));
+  }
+  return vgather_idx(tab, idx, m);
+}
+static inline VI ci_tab(const int32_t* tab, int n, VI idx, VM m) {
+  return _mm512_castps_si512(vtab((const float*)tab, n, idx, m));
+}
+// the fp16 in the low half of each lane -> float
+static inline VF ci_f16lo(VI a) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(a)); }
+static inline void ci_store(int32_t* p, VI a) { _mm512_storeu_si512((void*)p, a); }
+
+// A 16-byte table in every 128-bit lane: ci_lut16's operand.
+static inline VI ci_tab16(const uint8_t* t) {
+  return _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)t));
+}
+// Every byte x (a code < 16, ci_field's output) -> tab[x] (vpshufb).
+static inline VI ci_lut16(VI x, VI tab) { return _mm512_shuffle_epi8(tab, x); }
+// D packed 3-bit codes (8 per 3 bytes, code i at bits 3i..3i+2) -> D/2 bytes of 4-bit codes
+// (code i in nibble i), D % 32 == 0. Per 32 codes: their 12 bytes in every 128-bit lane
+// (a masked load: nothing past the row is read), vpshufb puts the two bytes holding code
+// 8L + w in word w of lane L, vpsrlvw by 3w mod 8 and a mask leave the code, and each
+// dword's two codes become one byte (w | w >> 12, vpmovdb).
+static inline void cvt3to4_row(const uint8_t* src, int D, uint8_t* dst) {
+  alignas(64) static const struct Tabs {
+    uint8_t idx[64];
+    uint16_t sh[32];
+    Tabs() {
+      for (int L = 0; L < 4; ++L)
+        for (int w = 0; w < 8; ++w) {
+          idx[16 * L + 2 * w] = (uint8_t)(3 * L + 3 * w / 8);
+          idx[16 * L + 2 * w + 1] = (uint8_t)(3 * L + 3 * w / 8 + 1);
+          sh[8 * L + w] = (uint16_t)(3 * w % 8);
+        }
+    }
+  } tabs;
+  const __m512i idx = _mm512_load_si512((const void*)tabs.idx);
+  const __m512i sh = _mm512_loadu_si512((const void*)tabs.sh);
+  for (int d = 0; d < D; d += 32) {
+    const __m128i x = _mm_maskz_loadu_epi8((__mmask16)0x0FFF, src + d / 8 * 3);
+    __m512i y = _mm512_shuffle_epi8(_mm512_broadcast_i32x4(x), idx);
+    y = _mm512_and_si512(_mm512_srlv_epi16(y, sh), _mm512_set1_epi16(7));
+    y = _mm512_or_si512(y, _mm512_srli_epi32(y, 12));
+    _mm_storeu_si128((__m128i*)(dst + d / 2), _mm512_cvtepi32_epi8(y));
   }
 }
 // dst[0..W) = (int8) rint(x * inv); |x * inv| <= 127.

@@ -38,6 +38,7 @@
 
 constexpr int TT = kTileTokens;
 constexpr int SL = kTileTokens;  // row stride of the logits tile
+constexpr int CW = 4 * W;         // codes per chunk of the integer Q.K (see "integer Q.K")
 static_assert(SL % W == 0, "tile must be a whole number of vectors");
 
 static inline float h2f(const uint8_t* base, int64_t idx) {
@@ -255,39 +256,99 @@ constexpr int kPermInt = 100;  // perm kind kPermInt + bits: the integer Q.K cod
 // The channel at each position of a permuted row, per perm kind, built once per process
 // (the index formulas hold for any head size <= 512): cvt_f16_row runs for every per-channel
 // scale row (KIVI keys: two rows per 32-token group), where per-element divisions cost ~6%.
-static const int16_t* perm_table(int kind) {
-  struct Tables {
-    int16_t t[5][512];
-    Tables() {
-      const int kinds[5] = {K_U4, K_U2, kPermInt + 8, kPermInt + 4, kPermInt + 2};
-      for (int k = 0; k < 5; ++k)
-        for (int p = 0; p < 512; ++p)
-          t[k][p] = (int16_t)(kinds[k] >= kPermInt ? ichan(kinds[k] - kPermInt, p)
-                                                   : perm_chan(kinds[k], p));
-    }
-  };
-  static const Tables tables;
-  switch (kind) {
-    case K_U4: return tables.t[0];
-    case K_U2: return tables.t[1];
-    case kPermInt + 8: return tables.t[2];
-    case kPermInt + 4: return tables.t[3];
-    default: return tables.t[4];
+// perm_inv_table: the position of each channel (the outlier slots of per-channel keys
+// index their permuted scale rows by channel; int32 for the slots' gathers).
+struct PermTables {
+  int16_t t[5][512];
+  int32_t inv[5][512];
+  PermTables() {
+    const int kinds[5] = {K_U4, K_U2, kPermInt + 8, kPermInt + 4, kPermInt + 2};
+    for (int k = 0; k < 5; ++k)
+      for (int p = 0; p < 512; ++p) {
+        t[k][p] = (int16_t)(kinds[k] >= kPermInt ? ichan(kinds[k] - kPermInt, p)
+                                                 : perm_chan(kinds[k], p));
+        inv[k][t[k][p]] = p;
+      }
   }
+  static int index(int kind) {
+    switch (kind) {
+      case K_U4: return 0;
+      case K_U2: return 1;
+      case kPermInt + 8: return 2;
+      case kPermInt + 4: return 3;
+      default: return 4;
+    }
+  }
+};
+static const PermTables& perm_tables() {
+  static const PermTables tables;
+  return tables;
+}
+static const int16_t* perm_table(int kind) { return perm_tables().t[PermTables::index(kind)]; }
+static const int32_t* perm_inv_table(int kind) {
+  return perm_tables().inv[PermTables::index(kind)];
 }
 // D fp16 values of a scale row -> dst in the permuted order of `kind` (kind < 0: as stored).
+// The integer Q.K's code orders (ichan) are even/odd splits of each chunk of CW channels:
+// 4 bits once (evens, then odds), 2 bits twice (channels 4i, 4i+1, 4i+2, 4i+3).
 static void cvt_f16_row(const uint8_t* src, int D, int kind, float* dst) {
-  if (kind < 0) return cvt_f16(src, D, 1.0f, dst);
+  if (kind < 0 || kind == kPermInt + 8) return cvt_f16(src, D, 1.0f, dst);
+  if ((kind == kPermInt + 4 || kind == kPermInt + 2) && D % CW == 0) {
+    for (int c = 0; c < D; c += CW) {
+      const uint16_t* h = (const uint16_t*)(src + 2 * c);
+      VF e0, o0, e1, o1;
+      vdeint(ld_f16(h), ld_f16(h + W), e0, o0);
+      vdeint(ld_f16(h + 2 * W), ld_f16(h + 3 * W), e1, o1);
+      float* d = dst + c;
+      if (kind == kPermInt + 4) {
+        vstore(d, e0), vstore(d + W, e1), vstore(d + 2 * W, o0), vstore(d + 3 * W, o1);
+      } else {
+        VF ee, eo, oe, oo;
+        vdeint(e0, e1, ee, eo);
+        vdeint(o0, o1, oe, oo);
+        vstore(d, ee), vstore(d + W, oe), vstore(d + 2 * W, eo), vstore(d + 3 * W, oo);
+      }
+    }
+    return;
+  }
   float tmp[512];
   cvt_f16(src, D, 1.0f, tmp);
   const int16_t* tab = perm_table(kind);
   for (int p = 0; p < D; ++p) dst[p] = tmp[tab[p]];
 }
 
+// How the integer Q.K reads a key codec that is not plain int8/4/2 codes (see "integer Q.K"):
+// 3-bit codes repacked as 4-bit rows; nuq levels through a byte table u[code] (lut), the
+// value level * s + z then being u * (s * delta) + (z + s * lmin), an int code with those
+// scale and zero rows.
+struct IntKey {
+  bool repack3;      // rows repacked to 4 bits when the tile is prepared (tb.u8)
+  bool nuq;          // scale rows become s * delta, zero rows z + s * lmin
+  float lmin, delta;
+  uint8_t lut[16];   // u[code mod 2^bits] (nuq)
+};
+
+// s, z (n floats each) -> s * delta, z + s * lmin (the nuq levels' affine byte form)
+static inline void nuq_int_scales(const IntKey& ik, float* s, float* z, int n) {
+  int i = 0;
+  const VF d = vset(ik.delta), l = vset(ik.lmin);
+  for (; i + W <= n; i += W) {
+    const VF sv = vload(s + i);
+    vstore(z + i, vadd(vload(z + i), vmul(sv, l)));
+    vstore(s + i, vmul(sv, d));
+  }
+  for (; i < n; ++i) {
+    z[i] = z[i] + s[i] * ik.lmin;
+    s[i] = s[i] * ik.delta;
+  }
+}
+
 // perm_kind: K_U4/K_U2 when the fused path decodes this side permuted, else -1.
+// ik: the key side of a task on the integer Q.K when its codec needs a form (else nullptr).
 static void prep_segment(const kvq::Codec& c, const kvq::Region& r, const uint8_t* plane,
                          int off, int cnt, int at, int D, float st, TileBufs& tb, int& nch_rows,
-                         TileSrc& ts, int perm_kind, const float* levels, bool dense) {
+                         TileSrc& ts, int perm_kind, const float* levels, bool dense,
+                         const IntKey* ik = nullptr) {
   if (predecoded(c) && !dense) {
     predecode_segment(c, r, plane, off, cnt, at, D, st, levels, tb, ts);
     return;
@@ -305,7 +366,13 @@ static void prep_segment(const kvq::Codec& c, const kvq::Region& r, const uint8_
   // r's fields every token (and it vectorized the pointer loops below into scatters).
   const int64_t rb = r.row_bytes;
   const uint8_t** rows = ts.row + at;
-  if (is_int && c.bits == 3) {
+  if (ik && ik->repack3) {
+    for (int i = 0; i < cnt; ++i) {
+      uint8_t* u = tb.u8 + (int64_t)(at + i) * (D / 2);
+      cvt3to4_row(data + (int64_t)(off + i) * rb, D, u);
+      rows[i] = u;
+    }
+  } else if (is_int && c.bits == 3) {
     for (int i = 0; i < cnt; ++i) {
       uint8_t* u = tb.u8 + (int64_t)(at + i) * D;
       unpack3(data + (int64_t)(off + i) * rb, D, u);
@@ -330,6 +397,7 @@ static void prep_segment(const kvq::Codec& c, const kvq::Region& r, const uint8_
       } else {
         for (int i = 0; i < cnt * ng; ++i) z[i] = off_sym * s[i];
       }
+      if (ik && ik->nuq) nuq_int_scales(*ik, s, z, cnt * ng);
       const float** svp = ts.sv + at;
       const float** zvp = ts.zv + at;
       for (int i = 0; i < cnt; ++i, s += ng, z += ng) {
@@ -349,6 +417,7 @@ static void prep_segment(const kvq::Codec& c, const kvq::Region& r, const uint8_
         cvt_f16_row(plane + r.scale_off + 2 * (int64_t)srow * D, D, perm_kind, s);
         if (r.zero_bytes) cvt_f16_row(plane + r.zero_off + 2 * (int64_t)srow * D, D, perm_kind, z);
         else for (int d = 0; d < D; ++d) z[d] = off_sym * s[d];
+        if (ik && ik->nuq) nuq_int_scales(*ik, s, z, D);
         const float** svp = ts.sv + at + i;
         const float** zvp = ts.zv + at + i;
         for (int k = 0; k < n; ++k) svp[k] = s;
@@ -458,9 +527,12 @@ static void decode_tile(const TileSrc& ts, int nt, int D, float* out) {  // natu
 // ---- outlier slots in the fused path -------------------------------------------------------
 // Each slot (channel ch of token t stored exactly) corrects what the dense decode gave that
 // channel: K: S[m][t] += Q[m][ch] * delta, V: acc[m][ch] += P[m][t] * delta, delta = exact -
-// dense, dense = table[code] * scale + zero with ch's scale/zero (or its channel's). The
-// slots of a tile are gathered as (t, ch, delta) entries in batches: the code lookup
-// specialised per codec, the fp16 conversion and the subtraction vectorized.
+// dense, dense = table[code] * scale + zero with ch's scale/zero (or its channel's). Slot j
+// of W consecutive tokens is one vector (slot_runs): their slot words, code words and scales
+// are gathered at the constant strides of one segment of the tile (K: S and Q[m][ch] are then
+// vectors too; V: the W products P * delta are added channel by channel, as two tokens may
+// share a channel). A run across two segments (or with strides past int32) takes the scalar
+// batches (gather_outliers): (t, ch, delta) entries, the code lookup specialised per codec.
 constexpr int kOutBatch = 4 * TT;
 struct OutlierBatch {
   int t[kOutBatch], ch[kOutBatch];
@@ -480,10 +552,11 @@ static inline uint32_t code_at(const uint8_t* row, int ch) {
 }
 
 // Slots of tokens [t, b) into ob, at most kOutBatch entries (their count in n_out); returns
-// the first token not gathered.
+// the first token not gathered. sidx (VEC): the position of each channel in the scale rows
+// (they are permuted for the integer Q.K), nullptr: the channel itself.
 template <int CODE, bool NUQ, bool VEC>
 static int gather_outliers(int nout, const TileSrc& ts, int t, int b, int D, OutlierBatch& ob,
-                           int& n_out) {
+                           int& n_out, const int32_t* sidx) {
   int n = 0;  // a local: through n_out every store to ob would reload it
   const int gshift = ts.gshift;
   for (; t < b && n + nout <= kOutBatch; ++t) {
@@ -498,7 +571,7 @@ static int gather_outliers(int nout, const TileSrc& ts, int t, int b, int D, Out
       if (ch >= D) continue;  // kNoOutlier
       const uint32_t code = code_at<CODE>(row, ch);
       const float x = NUQ ? ts.lev[code] : (float)code;
-      const int si = VEC ? ch : ((ch / W) >> gshift);
+      const int si = VEC ? (sidx ? sidx[ch] : ch) : ((ch / W) >> gshift);
       ob.t[n] = t;
       ob.ch[n] = ch;
       ob.exact[n] = (uint16_t)(w >> 16);
@@ -512,56 +585,176 @@ static int gather_outliers(int nout, const TileSrc& ts, int t, int b, int D, Out
   return t;
 }
 
-template <class F>
-static void for_outliers(const kvq::Codec& c, const TileSrc& ts, int a, int b, int D, F&& f) {
-  OutlierBatch ob;
-  const bool nuq = c.encoding == kvq::ENC_NUQ, vec = c.granularity == kvq::GRAN_CHANNEL;
-  const int code = c.bits == 3 && !nuq ? 8 : c.bits;
-  auto run = [&](auto g) {
-    for (int t = a, n = 0; t < b;) {
-      t = g(c.outliers, ts, t, b, D, ob, n);
-      f(ob, n);
+// The byte stride of pointers p[lo..hi) when it is constant (and W strides fit int32).
+template <class T>
+static inline bool const_stride(T* const* p, int lo, int hi, int64_t& st) {
+  st = hi - lo > 1 ? (int64_t)((const uint8_t*)p[lo + 1] - (const uint8_t*)p[lo]) : 0;
+  return (const uint8_t*)p[hi - 1] - (const uint8_t*)p[lo] == st * (hi - 1 - lo) &&
+         st < (1 << 24) && st > -(1 << 24);
+}
+
+// Calls run(t0, ch, ok, delta) for slot j of each W tokens [t0, t0 + W) (t0 a multiple of W)
+// meeting [a, b): ok = the lanes with a token in [a, b) and a slot (ch < D), delta = exact -
+// dense there and 0 elsewhere; tokens of a run without constant strides go to
+// batch(lo, hi) instead.
+// sfl: scale floats per token (non-VEC: 1 per token, D / group per group, 0 static).
+template <int CODE, bool NUQ, bool VEC, class F, class G>
+static void slot_runs(int nout, const TileSrc& ts, int a, int b, int D, int sfl,
+                      const int32_t* sidx, F&& run, G&& batch) {
+  const VI iota = ci_iota(), vD = ci_set1(D), m16 = ci_set1(0xFFFF), s16 = ci_set1(16);
+  // non-VEC scale index ch / W >> gshift as one shift (>= 32: 0, one scale per token)
+  const VI gsh = ci_set1(imin(__builtin_ctz(W) + ts.gshift, 32));
+  const VI cmask = ci_set1(CODE == 8 ? 255 : (1 << CODE) - 1);
+  for (int t0 = a / W * W; t0 < b; t0 += W) {
+    const int lo = imax(a, t0), hi = imin(b, t0 + W);
+    int64_t rs, os, ss;
+    if (!const_stride(ts.row, lo, hi, rs) || !const_stride(ts.orow, lo, hi, os) ||
+        !const_stride(ts.sv, lo, hi, ss) || (hi - lo > 1 && ss != 4 * sfl)) {
+      batch(lo, hi);
+      continue;
     }
-  };
-#define KVQ_OUT(C)                                                        \
-  if (nuq) {                                                              \
-    if (vec) run(gather_outliers<C, true, true>);                         \
-    else run(gather_outliers<C, true, false>);                            \
-  } else {                                                                \
-    if (vec) run(gather_outliers<C, false, true>);                        \
-    else run(gather_outliers<C, false, false>);                           \
-  }                                                                       \
-  return;
-  switch (code) {
-    case 8: KVQ_OUT(8)
-    case 4: KVQ_OUT(4)
-    case 3: KVQ_OUT(3)
-    default: KVQ_OUT(2)
+    ss = 4 * sfl;
+    const VM lanes = vm_and(ci_lt(ci_set1(lo - t0 - 1), iota), ci_lt(iota, ci_set1(hi - t0)));
+    const VI lane = ci_add(iota, ci_set1(t0 - lo));  // lane i: token t0 + i, relative to lo
+    const VI roff = ci_mullo(lane, ci_set1((int)rs)), ooff = ci_mullo(lane, ci_set1((int)os));
+    const VI soff = ci_mullo(lane, ci_set1((int)(ss / 4)));
+    const uint8_t* row = ts.row[lo];
+    // the lanes' scales by channel (VEC: one row), per token (contiguous), static, per group
+    const float* sv = ts.sv[lo];
+    const float* zv = ts.zv[lo];
+    const bool stok = !VEC && sfl == 1, sst = !VEC && sfl == 0;
+    for (int j = 0; j < nout; ++j) {
+      // one slot per token: W consecutive words (lanes before lo are masked off)
+      const VI w = os == 4 ? ci_load(ts.orow[lo] - 4 * (lo - t0), lanes)
+                           : ci_gather(ts.orow[lo] + 4 * j, ooff, lanes);
+      const VI ch = ci_and(w, m16);
+      const VM ok = vm_and(lanes, ci_lt(ch, vD));
+      VI at, sh;  // the code's byte offset in its row and its shift in the word there
+      if (CODE == 8) {
+        at = ch;
+        sh = ci_set1(0);
+      } else if (CODE == 4) {
+        at = ci_srlv(ch, ci_set1(1));
+        sh = ci_mullo(ci_and(ch, ci_set1(1)), ci_set1(4));
+      } else if (CODE == 2) {
+        at = ci_srlv(ch, ci_set1(2));
+        sh = ci_mullo(ci_and(ch, ci_set1(3)), ci_set1(2));
+      } else {
+        at = ci_mullo(ci_srlv(ch, ci_set1(3)), ci_set1(3));
+        sh = ci_mullo(ci_and(ch, ci_set1(7)), ci_set1(3));
+      }
+      const VI code = ci_and(ci_srlv(ci_gather(row, ci_add(roff, at), ok), sh), cmask);
+      const VF x = NUQ ? vlut16(code, ts.lev) : ci_tof(code);
+      VF s, z;
+      if (VEC) {
+        const VI si = sidx ? ci_tab(sidx, D, ch, ok) : ch;
+        s = vtab(sv, D, si, ok);
+        z = vtab(zv, D, si, ok);
+      } else if (stok) {
+        s = vload_m(sv - (lo - t0), ok);
+        z = vload_m(zv - (lo - t0), ok);
+      } else if (sst) {
+        s = vset(sv[0]);
+        z = vset(zv[0]);
+      } else {
+        const VI si = ci_add(ci_srlv(ch, gsh), soff);
+        s = vgather_idx(sv, si, ok);
+        z = vgather_idx(zv, si, ok);
+      }
+      const VF dense = vadd(vmul(x, s), z);
+      const VF exact = ci_f16lo(ci_srlv(w, s16));
+      run(t0, ci_sel0(ok, ch), ok, vsel0(ok, vsub(exact, dense)));
+    }
   }
+}
+
+// Dispatches slot_runs / the scalar batches on the codec's row form (ik: the integer Q.K's,
+// see IntKey) and granularity.
+template <class F, class G>
+static void for_slots(const kvq::Codec& c, const TileSrc& ts, int a, int b, int D,
+                      const IntKey* ik, const int32_t* sidx, F&& run, G&& fix_batch) {
+  const bool nuq = c.encoding == kvq::ENC_NUQ, vec = c.granularity == kvq::GRAN_CHANNEL;
+  const int code = ik && ik->repack3 ? 4 : (c.bits == 3 && !nuq ? 8 : c.bits);
+  const int sfl = vec ? 0 : c.granularity == kvq::GRAN_TOKEN ? 1
+                          : c.granularity == kvq::GRAN_GROUP ? D / c.group : 0;
+  auto go = [&](auto gather) {
+    auto batch = [&, gather](int lo, int hi) {
+      OutlierBatch ob;
+      for (int t = lo, n = 0; t < hi;) {
+        t = gather(c.outliers, ts, t, hi, D, ob, n, sidx);
+        fix_batch(ob, n);
+      }
+    };
+    return batch;
+  };
+#define KVQ_OUT(C, N, V)                                                          \
+  slot_runs<C, N, V>(c.outliers, ts, a, b, D, sfl, sidx, run,                   \
+                     go(gather_outliers<C, N, V>));                             \
+  return;
+#define KVQ_OUT_NV(C)                              \
+  if (nuq) {                                       \
+    if (vec) { KVQ_OUT(C, true, true) }            \
+    else { KVQ_OUT(C, true, false) }               \
+  } else {                                         \
+    if (vec) { KVQ_OUT(C, false, true) }           \
+    else { KVQ_OUT(C, false, false) }              \
+  }
+  switch (code) {
+    case 8: KVQ_OUT_NV(8)
+    case 4: KVQ_OUT_NV(4)
+    case 3: KVQ_OUT_NV(3)
+    default: KVQ_OUT_NV(2)
+  }
+#undef KVQ_OUT_NV
 #undef KVQ_OUT
 }
 
-// K: S[m][t] += Q[m][ch] * delta for every slot of tokens [0, nt).
+// K: S[m][t] += Q[m][ch] * delta for every slot of tokens [0, nt). ik, sidx: the rows and
+// scales of the integer Q.K (for_slots).
 static void outlier_fix_k(const kvq::Codec& c, const TileSrc& ts, int nt, int M, int D,
-                          const float* Q, float* S) {
-  for_outliers(c, ts, 0, nt, D, [&](const OutlierBatch& ob, int n) {
-    for (int m = 0; m < M; ++m) {
-      const float* q = Q + (int64_t)m * D;
-      float* s = S + m * SL;
-      for (int i = 0; i < n; ++i) s[ob.t[i]] += q[ob.ch[i]] * ob.delta[i];
-    }
-  });
+                          const float* Q, float* S, const IntKey* ik = nullptr,
+                          const int32_t* sidx = nullptr) {
+  for_slots(c, ts, 0, nt, D, ik, sidx,
+            [&](int t0, VI ch, VM ok, VF delta) {
+              for (int m = 0; m < M; ++m) {
+                float* s = S + m * SL + t0;
+                vstore(s, vfma(vtab(Q + (int64_t)m * D, D, ch, ok), delta, vload(s)));
+              }
+            },
+            [&](const OutlierBatch& ob, int n) {
+              for (int m = 0; m < M; ++m) {
+                const float* q = Q + (int64_t)m * D;
+                float* s = S + m * SL;
+                for (int i = 0; i < n; ++i) s[ob.t[i]] += q[ob.ch[i]] * ob.delta[i];
+              }
+            });
 }
 // V: acc[m][ch] += P[m][t] * delta for every slot of tokens [a, b).
 static void outlier_fix_v(const kvq::Codec& c, const TileSrc& ts, int a, int b, int M, int D,
                           const float* P, float* acc) {
-  for_outliers(c, ts, a, b, D, [&](const OutlierBatch& ob, int n) {
-    for (int m = 0; m < M; ++m) {
-      const float* p = P + m * SL;
-      float* ac = acc + (int64_t)m * D;
-      for (int i = 0; i < n; ++i) ac[ob.ch[i]] += p[ob.t[i]] * ob.delta[i];
-    }
-  });
+  for_slots(c, ts, a, b, D, nullptr, nullptr,
+            [&](int t0, VI ch, VM ok, VF delta) {
+              // masked-off lanes add 0 to channel 0 (P there may be anything); the rows are
+              // interleaved so that lanes sharing a channel chain only within a row
+              int32_t chs[W];
+              ci_store(chs, ch);
+              for (int m0 = 0; m0 < M; m0 += 4) {
+                const int mr = imin(4, M - m0);
+                float pd[4][W];
+                for (int r = 0; r < mr; ++r)
+                  vstore(pd[r], vsel0(ok, vmul(vload(P + (m0 + r) * SL + t0), delta)));
+                float* ac = acc + (int64_t)m0 * D;
+                for (int i = 0; i < W; ++i)
+                  for (int r = 0; r < mr; ++r) ac[(int64_t)r * D + chs[i]] += pd[r][i];
+              }
+            },
+            [&](const OutlierBatch& ob, int n) {
+              for (int m = 0; m < M; ++m) {
+                const float* p = P + m * SL;
+                float* ac = acc + (int64_t)m * D;
+                for (int i = 0; i < n; ++i) ac[ob.ch[i]] += p[ob.t[i]] * ob.delta[i];
+              }
+            });
 }
 
 // ---- integer Q.K ---------------------------------------------------------------------------
@@ -589,8 +782,7 @@ static void outlier_fix_v(const kvq::Codec& c, const TileSrc& ts, int a, int b, 
 // consecutive channels, in the order one shift and one mask unpack a chunk's packed bytes
 // (int4: the CW/2 low nibbles, then the high nibbles; int2: bit pair 0, 1, 2, 3 of its W
 // bytes), so that each 4-byte word of the query multiplies one bit field of one 4-byte word
-// of a key row (qk_int).
-constexpr int CW = 4 * W;
+// of a key row (qk_int). (CW = 4W, defined at the top.)
 
 static inline int ichan(int bits, int p) {
   const int c = p / CW, j = p % CW;
@@ -599,16 +791,21 @@ static inline int ichan(int bits, int p) {
   return CW * c + 4 * (j % W) + j / W;
 }
 
-// Whether the integer Q.K handles this key codec at this head size.
+// The code width the integer Q.K reads a key codec with (3-bit codes are repacked to 4).
+static inline int int_qk_bits(const kvq::Codec& c) { return c.bits == 3 ? 4 : c.bits; }
+
+// Whether the integer Q.K handles this key codec at this head size: int 8/4/3/2 and nuq
+// 4/3/2 codes (nuq levels through a byte table, IntKey), with or without outlier slots
+// (corrected after the integer dot products, like the fused path's).
 static inline bool int_qk_ok(const kvq::Codec& c, int D) {
-  if (c.encoding != kvq::ENC_INT || c.outliers) return false;
-  if (c.bits != 8 && c.bits != 4 && c.bits != 2) return false;
+  if (c.encoding != kvq::ENC_INT && c.encoding != kvq::ENC_NUQ) return false;
+  if (c.bits != 8 && c.bits != 4 && c.bits != 3 && c.bits != 2) return false;
   if (D % CW || D > 512) return false;
   switch (c.granularity) {
     case kvq::GRAN_TOKEN: case kvq::GRAN_TENSOR: case kvq::GRAN_HEAD: case kvq::GRAN_CHANNEL:
       return true;
     case kvq::GRAN_GROUP:  // every 4-byte word of a row within one group
-      return c.group % (32 / c.bits) == 0 && D % c.group == 0;
+      return c.group % (32 / int_qk_bits(c)) == 0 && D % c.group == 0;
     default: return false;
   }
 }
@@ -639,13 +836,15 @@ static inline void code_fields(VI w, VI* x) {
 //        tile's scales transposed (TT floats per group), groups in order.
 // Word j of a row holds channels [j * 32 / BITS, (j + 1) * 32 / BITS); within the query's
 // chunk c = j / DPC its field k sits at word c * W + k * DPC + j % DPC.
-template <int BITS, bool GRP, int MB>
+// LUT (nuq, BITS < 8): each code c is replaced by lut[c] (a byte, vpshufb) before the dot.
+template <int BITS, bool GRP, int MB, bool LUT>
 static void qk_int(const int8_t* q8, int D, const TileSrc& ts, int ta, int tb, int cpg,
-                   const float* sT, float* S) {
+                   const float* sT, float* S, const uint8_t* lut) {
   constexpr int MR = MB < 4 ? MB : 4;  // rows per pass over the transposed words
   constexpr int NK = 8 / BITS;         // codes per byte
   constexpr int DPC = W * BITS / 8;    // row words per chunk of CW codes
-  constexpr bool SMALL = BITS < 8;
+  constexpr bool SMALL = BITS < 8 && !LUT;
+  const VI tab = LUT ? ci_tab16(lut) : ci_zero();
   const int ncol = D * BITS / 32;
   const int per = GRP ? cpg : ncol, ngrp = ncol / per;
   VI col[128];
@@ -664,6 +863,8 @@ static void qk_int(const int8_t* q8, int D, const TileSrc& ts, int ta, int tb, i
         auto word = [&](int j, VI (&acc0)[MR], VI (&acc1)[MR]) {
           VI x[NK];
           code_fields<BITS>(col[j], x);
+          if (LUT)
+            for (int k = 0; k < NK; ++k) x[k] = ci_lut16(x[k], tab);
           const int8_t* qw = qm + 4 * ((j / DPC) * W + j % DPC);
           for (int k = 0; k < NK; ++k)
             for (int r = 0; r < MR; ++r) {
@@ -703,30 +904,37 @@ static void qk_int(const int8_t* q8, int D, const TileSrc& ts, int ta, int tb, i
   }
 }
 
-template <int BITS, bool GRP>
+template <int BITS, bool GRP, bool LUT>
 static void qk_int_rows(int MBq, const int8_t* q8, int D, const TileSrc& ts, int ta, int tb,
-                        int cpg, const float* sT, float* S) {
+                        int cpg, const float* sT, float* S, const uint8_t* lut) {
   switch (MBq) {
-    case 1: qk_int<BITS, GRP, 1>(q8, D, ts, ta, tb, cpg, sT, S); return;
-    case 2: qk_int<BITS, GRP, 2>(q8, D, ts, ta, tb, cpg, sT, S); return;
-    case 3: qk_int<BITS, GRP, 3>(q8, D, ts, ta, tb, cpg, sT, S); return;
-    case 4: qk_int<BITS, GRP, 4>(q8, D, ts, ta, tb, cpg, sT, S); return;
-    case 8: qk_int<BITS, GRP, 8>(q8, D, ts, ta, tb, cpg, sT, S); return;
-    default: qk_int<BITS, GRP, 16>(q8, D, ts, ta, tb, cpg, sT, S); return;
+    case 1: qk_int<BITS, GRP, 1, LUT>(q8, D, ts, ta, tb, cpg, sT, S, lut); return;
+    case 2: qk_int<BITS, GRP, 2, LUT>(q8, D, ts, ta, tb, cpg, sT, S, lut); return;
+    case 3: qk_int<BITS, GRP, 3, LUT>(q8, D, ts, ta, tb, cpg, sT, S, lut); return;
+    case 4: qk_int<BITS, GRP, 4, LUT>(q8, D, ts, ta, tb, cpg, sT, S, lut); return;
+    case 8: qk_int<BITS, GRP, 8, LUT>(q8, D, ts, ta, tb, cpg, sT, S, lut); return;
+    default: qk_int<BITS, GRP, 16, LUT>(q8, D, ts, ta, tb, cpg, sT, S, lut); return;
   }
 }
-static void qk_int_kind(int bits, bool grp, int MBq, const int8_t* q8, int D, const TileSrc& ts,
-                        int ta, int tb, int cpg, const float* sT, float* S) {
-  if (bits == 8) {
-    if (grp) qk_int_rows<8, true>(MBq, q8, D, ts, ta, tb, cpg, sT, S);
-    else qk_int_rows<8, false>(MBq, q8, D, ts, ta, tb, cpg, sT, S);
-  } else if (bits == 4) {
-    if (grp) qk_int_rows<4, true>(MBq, q8, D, ts, ta, tb, cpg, sT, S);
-    else qk_int_rows<4, false>(MBq, q8, D, ts, ta, tb, cpg, sT, S);
+template <int BITS>
+static void qk_int_bits(bool grp, int MBq, const int8_t* q8, int D, const TileSrc& ts, int ta,
+                        int tb, int cpg, const float* sT, float* S, const uint8_t* lut) {
+  constexpr bool L = BITS < 8;  // a table only for packed codes (nuq 4/3/2 bits)
+  if (L && lut) {
+    if (grp) qk_int_rows<BITS, true, L>(MBq, q8, D, ts, ta, tb, cpg, sT, S, lut);
+    else qk_int_rows<BITS, false, L>(MBq, q8, D, ts, ta, tb, cpg, sT, S, lut);
   } else {
-    if (grp) qk_int_rows<2, true>(MBq, q8, D, ts, ta, tb, cpg, sT, S);
-    else qk_int_rows<2, false>(MBq, q8, D, ts, ta, tb, cpg, sT, S);
+    if (grp) qk_int_rows<BITS, true, false>(MBq, q8, D, ts, ta, tb, cpg, sT, S, lut);
+    else qk_int_rows<BITS, false, false>(MBq, q8, D, ts, ta, tb, cpg, sT, S, lut);
   }
+}
+// bits: the code width of the rows (int_qk_bits); lut: nuq's byte table or nullptr.
+static void qk_int_kind(int bits, bool grp, int MBq, const int8_t* q8, int D, const TileSrc& ts,
+                        int ta, int tb, int cpg, const float* sT, float* S,
+                        const uint8_t* lut) {
+  if (bits == 8) qk_int_bits<8>(grp, MBq, q8, D, ts, ta, tb, cpg, sT, S, lut);
+  else if (bits == 4) qk_int_bits<4>(grp, MBq, q8, D, ts, ta, tb, cpg, sT, S, lut);
+  else qk_int_bits<2>(grp, MBq, q8, D, ts, ta, tb, cpg, sT, S, lut);
 }
 
 // Row x[D] (code order) -> q8 = rint(x * 127 / max|x|); returns the row scale max|x| / 127
@@ -1203,9 +1411,29 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   // Integer Q.K: only for finite query rows (a NaN/Inf query takes the exact path, which
   // propagates it like the reference).
   if (iqk) iqk = abs_max_or_nan(Q, (int64_t)M * D) <= 3.0e38f;  // NaN compares false
+  // The key codec's form for the integer Q.K (IntKey): nuq levels as bytes u = rint((level -
+  // lmin) * 255 / (lmax - lmin)) (a codebook with one level stays on the exact path).
+  IntKey ik{};
+  ik.repack3 = P.kc.bits == 3;
+  ik.nuq = P.kc.encoding == kvq::ENC_NUQ;
+  if (iqk && ik.nuq) {
+    const int n = 1 << P.kc.bits;
+    const float lmin = P.k_levels[0], lmax = P.k_levels[n - 1];  // ascending
+    if (lmax > lmin) {
+      const float inv = 255.0f / (lmax - lmin);
+      for (int i = 0; i < 16; ++i)
+        ik.lut[i] = (uint8_t)iclamp((int)rintf((P.k_levels[i % n] - lmin) * inv), 0, 255);
+      ik.lmin = lmin;
+      ik.delta = (lmax - lmin) / 255.0f;
+    } else {
+      iqk = false;
+    }
+  }
+  const IntKey* ikp = iqk && (ik.repack3 || ik.nuq) ? &ik : nullptr;
+  const uint8_t* klut = iqk && ik.nuq ? ik.lut : nullptr;
   const bool ichn = iqk && P.kc.granularity == kvq::GRAN_CHANNEL;
   const bool igrp = iqk && P.kc.granularity == kvq::GRAN_GROUP;
-  const int kbits = P.kc.bits;
+  const int kbits = int_qk_bits(P.kc);
   const int ng = igrp ? D / P.kc.group : 1;
   const bool kperm = fused && !iqk && can_perm(P.kc, D);
   const int kpk = kperm ? (P.kc.bits == 4 ? K_U4 : K_U2) : (ichn ? kPermInt + kbits : -1);
@@ -1260,9 +1488,12 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   TileSrc ks, vs;
   ks.gshift = vs.gshift = 30;
   for (int i = 0; i < 16; ++i) {
-    ks.lev[i] = P.k_levels ? P.k_levels[i % (1 << P.kc.bits)] : 0.0f;
+    // the integer Q.K's outlier corrections read nuq levels in their byte form
+    ks.lev[i] = klut ? (float)klut[i] : P.k_levels ? P.k_levels[i % (1 << P.kc.bits)] : 0.0f;
     vs.lev[i] = P.v_levels ? P.v_levels[i % (1 << P.vc.bits)] : 0.0f;
   }
+  // per-channel scale rows are in code order: a slot's channel -> its position there
+  const int32_t* ksidx = ichn ? perm_inv_table(kPermInt + kbits) : nullptr;
   for (int j = T.kbeg; j < T.kend;) {
     const int jt0 = j;
     int nt = 0, ns = 0, nkc = 0;
@@ -1272,7 +1503,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
       const uint8_t* plane = hbase + (int64_t)btrow[blk] * P.c_sb;
       segs[ns++] = Seg{plane, off, cnt, nt};
       prep_segment(P.kc, P.lay.k, plane, off, cnt, nt, D, kst, tb, nkc, ks, kpk, P.k_levels,
-                   fused);
+                   fused, ikp);
       nt += cnt;
       j += cnt;
     }
@@ -1316,7 +1547,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
           qsc[m] = quantize_q8_amax(KV, D, vhmax(mx), q8 + (int64_t)m * D);
           zsum[m] = vhsum(zs);
         }
-        qk_int_kind(kbits, false, MBq, q8, D, ks, t, e, 0, nullptr, S);
+        qk_int_kind(kbits, false, MBq, q8, D, ks, t, e, 0, nullptr, S, klut);
         for (int m = 0; m < M; ++m) {  // locals: through qsc/zsum (may alias S) it was scalar
           const float a = qsc[m], b = zsum[m];
           float* sm = S + m * SL;
@@ -1326,7 +1557,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
       }
     } else if (iqk) {
       if (igrp) transpose_tile(ks.sv[0], nt, ng, skT);
-      qk_int_kind(kbits, igrp, MBq, q8, D, ks, 0, nt, P.kc.group * kbits / 32, skT, S);
+      qk_int_kind(kbits, igrp, MBq, q8, D, ks, 0, nt, P.kc.group * kbits / 32, skT, S, klut);
       if (igrp) {
         transpose_tile(ks.zv[0], nt, ng, zt);
         for (int m = 0; m < M; ++m)
@@ -1360,6 +1591,9 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
       with_kind(P.kc, false, [&](auto k) { decode_tile_kind(k, ks, nt, D, KV); });
       qk_tile(Q, M, KV, nt, D, S);
     }
+    // The integer Q.K's outlier slots: per-token / per-group / static keys with the rounded
+    // query (Q holds it), per-channel keys with the exact one (like their zero-points).
+    if (iqk && P.kc.outliers) outlier_fix_k(P.kc, ks, nt, M, D, Q, S, ikp, ksidx);
     softmax_tile(S, M, nt, lo, hi, mrow, lrow, acc, D, P.softcap_log2);
     int nvc = 0;
     for (int k = 0; k < ns; ++k)

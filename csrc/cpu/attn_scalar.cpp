@@ -155,6 +155,15 @@ static inline VF ld_t2(const uint8_t* p, const float* tab) {
   return r;
 }
 
+static inline void vdeint(VF a, VF b, VF& even, VF& odd) {
+  for (int i = 0; i < W / 2; ++i) {
+    even.v[i] = a.v[2 * i];
+    even.v[W / 2 + i] = b.v[2 * i];
+    odd.v[i] = a.v[2 * i + 1];
+    odd.v[W / 2 + i] = b.v[2 * i + 1];
+  }
+}
+
 // lane l = base[l * stride]
 static inline VF vgather(const float* base, int stride) {
   VF r;
@@ -203,6 +212,97 @@ static inline void ci_tr8(const uint8_t* const* rows, int off, int nd, VI* out) 
       out[j].i[l] = 0;
       if (j < nd) memcpy(&out[j].i[l], rows[l] + off + 4 * j, 4);
     }
+}
+typedef uint32_t VM;  // lane l: bit l
+static inline VI ci_set1(int x) { VI r; for (int l = 0; l < W; ++l) r.i[l] = x; return r; }
+static inline VI ci_iota() { VI r; for (int l = 0; l < W; ++l) r.i[l] = l; return r; }
+#define KVQ_CI(name, expr)                                                          \
+  static inline VI name(VI a, VI b) {                                               \
+    VI r;                                                                           \
+    for (int l = 0; l < W; ++l) { const int32_t x = a.i[l], y = b.i[l]; r.i[l] = (expr); } \
+    return r;                                                                       \
+  }
+KVQ_CI(ci_mullo, (int32_t)((uint32_t)x * (uint32_t)y))
+KVQ_CI(ci_and, x & y)
+KVQ_CI(ci_srlv, (uint32_t)y >= 32u ? 0 : (int32_t)((uint32_t)x >> y))
+#undef KVQ_CI
+static inline VM ci_lt(VI a, VI b) {
+  VM m = 0;
+  for (int l = 0; l < W; ++l) m |= (VM)(a.i[l] < b.i[l]) << l;
+  return m;
+}
+static inline VM vm_and(VM a, VM b) { return a & b; }
+static inline VM vm_first(int n) { return n >= W ? 0xFFFFu : (1u << n) - 1; }
+static inline VI ci_sel0(VM m, VI a) {
+  for (int l = 0; l < W; ++l) if (!((m >> l) & 1)) a.i[l] = 0;
+  return a;
+}
+static inline VF vsel0(VM m, VF a) {
+  for (int l = 0; l < W; ++l) if (!((m >> l) & 1)) a.v[l] = 0.0f;
+  return a;
+}
+static inline VI ci_gather(const void* base, VI off, VM m) {
+  VI r;
+  for (int l = 0; l < W; ++l) {
+    r.i[l] = 0;
+    if ((m >> l) & 1) memcpy(&r.i[l], (const uint8_t*)base + off.i[l], 4);
+  }
+  return r;
+}
+static inline VF vgather_idx(const float* base, VI idx, VM m) {
+  VF r;
+  for (int l = 0; l < W; ++l) r.v[l] = (m >> l) & 1 ? base[idx.i[l]] : 0.0f;
+  return r;
+}
+static inline VI ci_load(const void* p, VM m) {
+  VI r;
+  for (int l = 0; l < W; ++l) {
+    r.i[l] = 0;
+    if ((m >> l) & 1) memcpy(&r.i[l], (const int32_t*)p + l, 4);
+  }
+  return r;
+}
+static inline VF vload_m(const float* p, VM m) {
+  VF r;
+  for (int l = 0; l < W; ++l) r.v[l] = (m >> l) & 1 ? p[l] : 0.0f;
+  return r;
+}
+static inline VF vlut16(VI idx, const float* tab) {
+  VF r;
+  for (int l = 0; l < W; ++l) r.v[l] = tab[idx.i[l] & 15];
+  return r;
+}
+static inline VF vtab(const float* tab, int, VI idx, VM m) { return vgather_idx(tab, idx, m); }
+static inline VI ci_tab(const int32_t* tab, int, VI idx, VM m) {
+  VI r;
+  for (int l = 0; l < W; ++l) r.i[l] = (m >> l) & 1 ? tab[idx.i[l]] : 0;
+  return r;
+}
+static inline VF ci_f16lo(VI a) {
+  VF r;
+  for (int l = 0; l < W; ++l) r.v[l] = kvq::fp16_to_float((uint16_t)(a.i[l] & 0xFFFF));
+  return r;
+}
+static inline void ci_store(int32_t* p, VI a) { memcpy(p, a.i, sizeof(a.i)); }
+
+static inline VI ci_tab16(const uint8_t* t) {
+  VI r;
+  for (int i = 0; i < 4 * W; ++i) ((uint8_t*)r.i)[i] = t[i & 15];
+  return r;
+}
+static inline VI ci_lut16(VI x, VI tab) {
+  VI r;
+  const uint8_t* xb = (const uint8_t*)x.i;
+  for (int i = 0; i < 4 * W; ++i) ((uint8_t*)r.i)[i] = ((const uint8_t*)tab.i)[xb[i] & 15];
+  return r;
+}
+static inline void cvt3to4_row(const uint8_t* src, int D, uint8_t* dst) {
+  for (int d = 0; d < D; d += 8) {
+    const uint8_t* g = src + d / 8 * 3;
+    const uint32_t w = (uint32_t)g[0] | ((uint32_t)g[1] << 8) | ((uint32_t)g[2] << 16);
+    for (int i = 0; i < 8; i += 2)
+      dst[(d + i) / 2] = (uint8_t)(((w >> (3 * i)) & 7u) | (((w >> (3 * i + 3)) & 7u) << 4));
+  }
 }
 static inline void vq8_store(VF x, VF inv, int8_t* dst) {
   for (int l = 0; l < W; ++l) dst[l] = (int8_t)(int32_t)rintf(x.v[l] * inv.v[l]);
