@@ -571,7 +571,10 @@ WINDOW_CASES = [("bf16", 256, 4, 1, 512, torch.bfloat16),
                 ("kivi2", 64, 3, 2, 160, torch.float32),
                 ("nuq3", 256, 4, 1, 512, torch.bfloat16),
                 ("int8_token", 64, 3, 2, 96, torch.float32),
-                ("kivi2_k16_g16_r32", 64, 3, 2, 32, torch.bfloat16)]
+                ("kivi2_k16_g16_r32", 64, 3, 2, 32, torch.bfloat16),
+                # 16-token key groups, a window starting mid-group: a tile spans the most
+                # per-channel scale rows (kTileChanRows)
+                ("kivi2_k16_g16_r32", 64, 3, 2, 208, torch.float32)]
 
 
 @pytest.mark.parametrize("name,D,gq,H,W,dtype", WINDOW_CASES,

@@ -117,7 +117,7 @@ static inline VF decode(const TileSrc& ts, int t, int c) {
 struct TileBufs {
   float* s;    // TT * (D/16) per-token / per-group scales
   float* z;
-  float* cs;   // 4 * D per-channel scale rows
+  float* cs;   // kTileChanRows * D per-channel scale rows
   float* cz;
   float st[2]; // static scale and its zero
   uint8_t* u8; // TT * D unpacked int3 codes
@@ -131,8 +131,8 @@ static inline float* carve_tile_bufs(float* p, int D, TileBufs& tb) {
   tb.s = p;
   tb.z = tb.s + (size_t)TT * (D / 16);
   tb.cs = tb.z + (size_t)TT * (D / 16);
-  tb.cz = tb.cs + (size_t)4 * D;
-  tb.u8 = (uint8_t*)(tb.cz + (size_t)4 * D);  // TT * D bytes
+  tb.cz = tb.cs + (size_t)kTileChanRows * D;
+  tb.u8 = (uint8_t*)(tb.cz + (size_t)kTileChanRows * D);  // TT * D bytes
   tb.f32 = (float*)(tb.u8 + (size_t)TT * D);  // TT * D floats
   tb.lut = tb.f32 + (size_t)TT * D;            // 16 * D floats
   return tb.lut + (size_t)16 * D;
