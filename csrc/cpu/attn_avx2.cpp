@@ -184,6 +184,16 @@ static inline void vdeint(VF a, VF b, VF& even, VF& odd) {
   odd = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
 }
 
+// the inverse of vdeint: a:b = e0 o0 e1 o1 .. (2W floats)
+static inline void vinter(VF e, VF o, VF& a, VF& b) {
+  const VF l = _mm256_unpacklo_ps(e, o), h = _mm256_unpackhi_ps(e, o);  // per 128-bit lane
+  a = _mm256_permute2f128_ps(l, h, 0x20);
+  b = _mm256_permute2f128_ps(l, h, 0x31);
+}
+
+// round to the nearest integer, ties to even (as vq8_store's conversion)
+static inline VF vround(VF x) { return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
 // lane l = base[l * stride]
 static inline VF vgather(const float* base, int stride) {
   const __m256i idx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),

@@ -194,6 +194,16 @@ static inline void vdeint(VF a, VF b, VF& even, VF& odd) {
   odd = _mm512_permutex2var_ps(a, _mm512_add_epi32(e, _mm512_set1_epi32(1)), b);
 }
 
+// the inverse of vdeint: a:b = e0 o0 e1 o1 .. (2W floats)
+static inline void vinter(VF e, VF o, VF& a, VF& b) {
+  const __m512i lo = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  a = _mm512_permutex2var_ps(e, lo, o);
+  b = _mm512_permutex2var_ps(e, _mm512_add_epi32(lo, _mm512_set1_epi32(8)), o);
+}
+
+// round to the nearest integer, ties to even (as vq8_store's conversion)
+static inline VF vround(VF x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+
 // lane l = base[l * stride]
 static inline VF vgather(const float* base, int stride) {
   const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,

@@ -288,33 +288,69 @@ static const int16_t* perm_table(int kind) { return perm_tables().t[PermTables::
 static const int32_t* perm_inv_table(int kind) {
   return perm_tables().inv[PermTables::index(kind)];
 }
-// D fp16 values of a scale row -> dst in the permuted order of `kind` (kind < 0: as stored).
-// The integer Q.K's code orders (ichan) are even/odd splits of each chunk of CW channels:
-// 4 bits once (evens, then odds), 2 bits twice (channels 4i, 4i+1, 4i+2, 4i+3).
-static void cvt_f16_row(const uint8_t* src, int D, int kind, float* dst) {
-  if (kind < 0 || kind == kPermInt + 8) return cvt_f16(src, D, 1.0f, dst);
-  if ((kind == kPermInt + 4 || kind == kPermInt + 2) && D % CW == 0) {
-    for (int c = 0; c < D; c += CW) {
-      const uint16_t* h = (const uint16_t*)(src + 2 * c);
-      VF e0, o0, e1, o1;
-      vdeint(ld_f16(h), ld_f16(h + W), e0, o0);
-      vdeint(ld_f16(h + 2 * W), ld_f16(h + 3 * W), e1, o1);
-      float* d = dst + c;
-      if (kind == kPermInt + 4) {
-        vstore(d, e0), vstore(d + W, e1), vstore(d + 2 * W, o0), vstore(d + 3 * W, o1);
-      } else {
-        VF ee, eo, oe, oo;
-        vdeint(e0, e1, ee, eo);
-        vdeint(o0, o1, oe, oo);
-        vstore(d, ee), vstore(d + W, oe), vstore(d + 2 * W, eo), vstore(d + 3 * W, oo);
-      }
-    }
+// Row x[D] (channel order) -> out[D] in the permuted order of `kind`: out[p] =
+// x[perm_table(kind)[p]]. The orders are even/odd splits (vdeint): K_U4 of each 2W
+// channels (evens, then odds), K_U2 of those again (channels 4i, 4i+1 | 4i+2, 4i+3 per half
+// vector); the integer Q.K's code orders (ichan) of each CW = 4W channels: 4 bits once
+// (evens, then odds), 2 bits twice (4i, 4i+1, 4i+2, 4i+3), 8 bits none.
+static void permute_row(const float* x, int D, int kind, float* out) {
+  if (kind == kPermInt + 8) {
+    if (out != x) memcpy(out, x, sizeof(float) * D);
     return;
   }
+  const bool code = kind >= kPermInt;
+  const int chunk = code ? CW : 2 * W;
+  if (D % chunk) {
+    float tmp[512];
+    memcpy(tmp, x, sizeof(float) * D);
+    const int16_t* tab = perm_table(kind);
+    for (int p = 0; p < D; ++p) out[p] = tmp[tab[p]];
+    return;
+  }
+  for (int c = 0; c < D; c += chunk) {
+    const float* s = x + c;
+    float* d = out + c;
+    VF e0, o0;
+    vdeint(vload(s), vload(s + W), e0, o0);
+    if (!code) {
+      if (kind == K_U2) vdeint(e0, o0, e0, o0);
+      vstore(d, e0), vstore(d + W, o0);
+      continue;
+    }
+    VF e1, o1;
+    vdeint(vload(s + 2 * W), vload(s + 3 * W), e1, o1);
+    if (kind == kPermInt + 4) {
+      vstore(d, e0), vstore(d + W, e1), vstore(d + 2 * W, o0), vstore(d + 3 * W, o1);
+    } else {
+      VF ee, eo, oe, oo;
+      vdeint(e0, e1, ee, eo);
+      vdeint(o0, o1, oe, oo);
+      vstore(d, ee), vstore(d + W, oe), vstore(d + 2 * W, eo), vstore(d + 3 * W, oo);
+    }
+  }
+}
+// The inverse for the permuted V decode (K_U4 / K_U2): a[D] back to channel order, in place.
+static void unpermute_row(float* a, int D, int kind) {
+  if (D % (2 * W)) {
+    float tmp[512];
+    const int16_t* tab = perm_table(kind);
+    for (int p = 0; p < D; ++p) tmp[tab[p]] = a[p];
+    memcpy(a, tmp, sizeof(float) * D);
+    return;
+  }
+  for (int c = 0; c < D; c += 2 * W) {
+    VF e = vload(a + c), o = vload(a + c + W), x0, x1;
+    if (kind == K_U2) vinter(e, o, e, o);
+    vinter(e, o, x0, x1);
+    vstore(a + c, x0), vstore(a + c + W, x1);
+  }
+}
+// D fp16 values of a scale row -> dst in the permuted order of `kind` (kind < 0: as stored).
+static void cvt_f16_row(const uint8_t* src, int D, int kind, float* dst) {
+  if (kind < 0) return cvt_f16(src, D, 1.0f, dst);
   float tmp[512];
   cvt_f16(src, D, 1.0f, tmp);
-  const int16_t* tab = perm_table(kind);
-  for (int p = 0; p < D; ++p) dst[p] = tmp[tab[p]];
+  permute_row(tmp, D, kind, dst);
 }
 
 // How the integer Q.K reads a key codec that is not plain int8/4/2 codes (see "integer Q.K"):
@@ -951,10 +987,13 @@ static inline float abs_max_or_nan(const float* x, int64_t n) {
   return vhsum(nf) != 0.0f ? NAN : vhmax(mx);
 }
 
+// 127 / max|x| (0 for an all-zero or non-finite row): q8 = rint(x * q8_inv(max|x|)).
+static inline float q8_inv(float amax) {
+  return amax > 0.0f && amax <= 3.0e38f ? 127.0f / amax : 0.0f;
+}
 // quantize_q8 with max|x| (or NaN) already known.
 static inline float quantize_q8_amax(const float* x, int D, float amax, int8_t* q8) {
-  const float inv = amax > 0.0f && amax <= 3.0e38f ? 127.0f / amax : 0.0f;
-  const VF vi = vset(inv);
+  const VF vi = vset(q8_inv(amax));
   for (int d = 0; d < D; d += W) vq8_store(vload(x + d), vi, q8 + d);
   return amax / 127.0f;
 }
@@ -1438,40 +1477,32 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   const bool kperm = fused && !iqk && can_perm(P.kc, D);
   const int kpk = kperm ? (P.kc.bits == 4 ? K_U4 : K_U2) : (ichn ? kPermInt + kbits : -1);
   if (iqk) {
-    // code position -> channel (and its group), once per task; the kernels read MBq rows
-    int16_t pc[512];
-    uint8_t pg[512], cg[512];
-    for (int d = 0, g = 0, n = 0; d < D; ++d) {  // channel -> group (no division per channel)
-      cg[d] = (uint8_t)g;
-      if (igrp && ++n == P.kc.group) n = 0, ++g;
-    }
-    const int16_t* code_chan = perm_table(kPermInt + kbits);
-    for (int p = 0; p < D; ++p) {
-      pc[p] = code_chan[p];
-      pg[p] = cg[pc[p]];
-    }
-    for (int m = 0; m < MBq; ++m)  // Q in code order
-      for (int p = 0; p < D; ++p) Qk[(int64_t)m * D + p] = Q[(int64_t)m * D + pc[p]];
+    // Q in code order (the kernels read MBq rows); per-token / per-group / static keys: the
+    // int8 rows, their scales, qs * (each group's sum of q8), and Q itself rounded (the
+    // staging keys read the rounded query too). Groups are >= W channels: whole vectors.
+    for (int m = 0; m < MBq; ++m)
+      permute_row(Q + (int64_t)m * D, D, kPermInt + kbits, Qk + (int64_t)m * D);
     if (!ichn) {
+      const int gv = igrp ? P.kc.group / W : D / W;  // vectors per group
       for (int m = 0; m < MBq; ++m) {
-        const int8_t* qr = q8 + (int64_t)m * D;
-        qsc[m] = quantize_q8(Qk + (int64_t)m * D, D, q8 + (int64_t)m * D);
+        const float amax = abs_max_or_nan(Qk + (int64_t)m * D, D);
+        qsc[m] = quantize_q8_amax(Qk + (int64_t)m * D, D, amax, q8 + (int64_t)m * D);
         if (m >= M) continue;  // zero rows: q8 = 0
-        int32_t isum[4][128];  // four partial sums: no store-to-load chain per position
-        for (int k = 0; k < 4; ++k)
-          for (int g = 0; g < ng; ++g) isum[k][g] = 0;
-        for (int p = 0; p < D; p += 4)
-          for (int k = 0; k < 4; ++k) isum[k][pg[p + k]] += qr[p + k];
-        for (int g = 0; g < ng; ++g)
-          qsum[m * ng + g] = (float)(isum[0][g] + isum[1][g] + isum[2][g] + isum[3][g]) * qsc[m];
-        // the staging keys read the rounded query too
-        for (int p = 0; p < D; ++p) Q[(int64_t)m * D + pc[p]] = (float)qr[p] * qsc[m];
+        float* qr = Q + (int64_t)m * D;
+        const VF inv = vset(q8_inv(amax)), sc = vset(qsc[m]);
+        for (int g = 0; g < ng; ++g) {
+          VF sum = vzero();
+          for (int c = g * gv; c < (g + 1) * gv; ++c) {
+            const VF r = vround(vmul(vload(qr + c * W), inv));  // the integers q8 holds
+            sum = vadd(sum, r);
+            vstore(qr + c * W, vmul(r, sc));
+          }
+          qsum[m * ng + g] = vhsum(sum) * qsc[m];  // integer sums: exact in any order
+        }
       }
     }
   } else if (kperm) {
-    const int16_t* kch = perm_table(kpk);
-    for (int m = 0; m < Mp; ++m)
-      for (int p = 0; p < D; ++p) Qk[(int64_t)m * D + p] = Q[(int64_t)m * D + kch[p]];
+    for (int m = 0; m < Mp; ++m) permute_row(Q + (int64_t)m * D, D, kpk, Qk + (int64_t)m * D);
   } else if (kfp8 && !ktok) {
     const float f = P.k_scale[T.h] * (P.kc.encoding == kvq::ENC_FP8_E4M3 ? 256.0f : 1.0f);
     for (int64_t x = 0; x < (int64_t)Mp * D; ++x) Qk[x] = Q[x] * f;
@@ -1661,14 +1692,8 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
     const float f = P.v_scale[T.h] * (P.vc.encoding == kvq::ENC_FP8_E4M3 ? 256.0f : 1.0f);
     for (int64_t x = 0; x < (int64_t)M * D; ++x) acc[x] *= f;
   }
-  if (vperm) {  // accumulators back to channel order
-    const int16_t* vch = perm_table(vpk);
-    for (int m = 0; m < M; ++m) {
-      float* a = acc + (int64_t)m * D;
-      for (int p = 0; p < D; ++p) KV[vch[p]] = a[p];
-      for (int d = 0; d < D; ++d) a[d] = KV[d];
-    }
-  }
+  if (vperm)  // accumulators back to channel order
+    for (int m = 0; m < M; ++m) unpermute_row(acc + (int64_t)m * D, D, vpk);
 
   // Staging: query i reads positions [F_i, p_i] in full precision.
   if (T.staging) {

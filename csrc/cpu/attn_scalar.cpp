@@ -164,6 +164,17 @@ static inline void vdeint(VF a, VF b, VF& even, VF& odd) {
   }
 }
 
+static inline void vinter(VF e, VF o, VF& a, VF& b) {
+  for (int i = 0; i < W / 2; ++i) {
+    a.v[2 * i] = e.v[i];
+    a.v[2 * i + 1] = o.v[i];
+    b.v[2 * i] = e.v[W / 2 + i];
+    b.v[2 * i + 1] = o.v[W / 2 + i];
+  }
+}
+
+static inline VF vround(VF x) { for (int i = 0; i < W; ++i) x.v[i] = rintf(x.v[i]); return x; }
+
 // lane l = base[l * stride]
 static inline VF vgather(const float* base, int stride) {
   VF r;
