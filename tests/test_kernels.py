@@ -312,13 +312,13 @@ def run_ref(c):
 
 
 # --- the int8 query of int and nuq keys -----------------------------------------------------
-# Decode tasks with int keys (8/4/3/2 bits) or nuq keys compute Q.K in the integer domain
+# Decode tasks with int keys (8/4/3/2 bits) or nuq keys (4/2 bits) compute Q.K in the integer domain
 # (csrc/cpu/attn_body.h "integer Q.K"): the query row x = q * softmax_scale * log2(e) is
 # rounded to int8 with one scale per row (qs = max|x|/127). nuq keys read their levels in a
 # byte form: u = rint((level - lmin) * 255 / (lmax - lmin)), level^ = lmin + u * delta,
 # delta = (lmax - lmin) / 255 (int_levels). For per-token / per-group / static key scales the
 # kernel then computes the exact attention of the rounded query over the keys decoded with
-# level^ (outlier slots exact); for per-channel keys (KIVI, nuq3) the channel scales fold
+# level^ (outlier slots exact); for per-channel keys (KIVI, nuq4) the channel scales fold
 # into the query first (x' = x * s per scale row, rounded the same way; the zero-points and
 # the outlier slots' corrections use the exact x). These references reproduce both, so the
 # kernels stay under the tight tolerances below; a row passes when it matches the exact
@@ -336,7 +336,7 @@ def _q8_round(x: torch.Tensor):
 
 def int_query_codec(fmt) -> bool:
     k = fmt.key
-    return k.encoding == "nuq" or (k.encoding == "int" and k.bits in (8, 4, 3, 2))
+    return k.bits in (8, 4, 3, 2) if k.encoding == "int" else (k.encoding == "nuq" and k.bits != 3)
 
 
 def int_levels(levels: torch.Tensor):
@@ -864,7 +864,7 @@ INT_QK_CASES = [(n, 128, 4) for n in INT_QK_FORMATS] + [
     ("int4_group32", 64, 3), ("kivi2", 64, 3), ("int2_group16", 64, 1), ("int8_token", 64, 2),
     ("int8_group16", 256, 8), ("kivi4", 256, 4), ("int4_group64", 256, 1),
     # nuq levels through their byte table, 3-bit codes repacked, outlier slots corrected
-    ("nuq3", 64, 3), ("nuq3", 128, 4), ("nuq4", 64, 3), ("nuq2", 64, 3), ("nuq3_token_o1", 64, 3),
+    ("nuq4", 64, 3), ("nuq4", 128, 4), ("nuq2", 64, 3), ("nuq4_token_o1", 64, 3),
     ("nuq4_group32_o2", 128, 2), ("nuq2_group16", 256, 4), ("int3_group32", 128, 4),
     ("int3_channel32_r32", 64, 3), ("int4_token_o1", 64, 3), ("int8_group32_o2", 128, 8)]
 

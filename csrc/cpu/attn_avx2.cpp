@@ -362,8 +362,13 @@ static inline void cvt3to4_row(const uint8_t* src, int D, uint8_t* dst) {
                                         -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
                                         -1, -1, -1, -1);
   for (int d = 0; d < D; d += 16) {
-    uint64_t w = 0;
-    memcpy(&w, src + d / 8 * 3, 6);
+    // the 6 bytes assembled in a register: a 6-byte memcpy into a stack qword made the
+    // broadcast wait for a failed store forward (~40% of nuq3's decode on Zen 4)
+    uint32_t lo4;
+    uint16_t hi2;
+    memcpy(&lo4, src + d / 8 * 3, 4);
+    memcpy(&hi2, src + d / 8 * 3 + 4, 2);
+    const uint64_t w = (uint64_t)lo4 | ((uint64_t)hi2 << 32);
     __m256i y = _mm256_shuffle_epi8(_mm256_set1_epi64x((long long)w), idx);
     y = _mm256_srli_epi16(_mm256_mullo_epi16(y, mul), 13);
     y = _mm256_shuffle_epi8(_mm256_or_si256(y, _mm256_srli_epi32(y, 12)), pick);

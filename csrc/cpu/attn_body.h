@@ -831,11 +831,15 @@ static inline int ichan(int bits, int p) {
 static inline int int_qk_bits(const kvq::Codec& c) { return c.bits == 3 ? 4 : c.bits; }
 
 // Whether the integer Q.K handles this key codec at this head size: int 8/4/3/2 and nuq
-// 4/3/2 codes (nuq levels through a byte table, IntKey), with or without outlier slots
-// (corrected after the integer dot products, like the fused path's).
+// 4/2 codes (nuq levels through a byte table, IntKey), with or without outlier slots
+// (corrected after the integer dot products, like the fused path's). nuq3 keys stay on the
+// fp32 path: repacking their rows to 4 bits costs more than the integer dots save (Zen 4,
+// 9/3/64 4 x 4k, one thread: 0.74 ms vs 0.68; AVX2 path 1.40 vs 1.08), while int3's fp32
+// path unpacks to bytes first and the repack wins (1.85 vs 3.06 ms).
 static inline bool int_qk_ok(const kvq::Codec& c, int D) {
   if (c.encoding != kvq::ENC_INT && c.encoding != kvq::ENC_NUQ) return false;
   if (c.bits != 8 && c.bits != 4 && c.bits != 3 && c.bits != 2) return false;
+  if (c.encoding == kvq::ENC_NUQ && c.bits == 3) return false;
   if (D % CW || D > 512) return false;
   switch (c.granularity) {
     case kvq::GRAN_TOKEN: case kvq::GRAN_TENSOR: case kvq::GRAN_HEAD: case kvq::GRAN_CHANNEL:
