@@ -26,15 +26,17 @@
 // see cannot reach it. Headers are included by the translation unit before its target
 // pragma.
 //
-// Integer Q.K (fused decode path, ENC_INT keys of 8/4/2 bits without outlier slots; see
-// "integer Q.K" below): the query rows are rounded to int8 once per task and each key
-// token's logit is an integer dot product of codes and int8 query (vpdpbusd) with one token
-// per lane, scaled once per scale group.
+// Integer Q.K (fused decode path; int keys of 8/4/3/2 bits and nuq keys of 4/2 bits, with
+// or without outlier slots; see "integer Q.K" below): the query rows are rounded to int8
+// once per task and each key token's logit is an integer dot product of codes (nuq: their
+// levels as bytes) and int8 query (vpdpbusd) with one token per lane, scaled once per scale
+// group; outlier slots are corrected after it.
 //
-// nuq codecs and codecs with outlier slots are decoded to fp32 rows when a tile is
-// prepared (predecode_segment: level[code] * scale + zero through the layer's codebook, or
-// code * scale + zero, then each outlier slot overwrites its channel) and consumed as the
-// K_F32 kind by both paths.
+// In the scratch path (prefill tiles) nuq codecs and codecs with outlier slots are decoded
+// to fp32 rows when a tile is prepared (predecode_segment: level[code] * scale + zero
+// through the layer's codebook, or code * scale + zero, then each outlier slot overwrites
+// its channel) and consumed as the K_F32 kind. The fused path reads their codes in
+// registers (nuq through the codebook, ld_t*) and corrects each slot sparsely (slot_runs).
 
 constexpr int TT = kTileTokens;
 constexpr int SL = kTileTokens;  // row stride of the logits tile
@@ -794,9 +796,9 @@ static void outlier_fix_v(const kvq::Codec& c, const TileSrc& ts, int a, int b, 
 }
 
 // ---- integer Q.K ---------------------------------------------------------------------------
-// For ENC_INT keys (8/4/2 bits, no outlier slots) the fused decode path computes logits in
-// the integer domain. Once per task each query row q (already times softmax_scale*log2 e)
-// is rounded to int8 with one scale per row:
+// For int keys (8/4/3/2 bits) and nuq keys (4/2 bits; IntKey, int_qk_ok) the fused decode
+// path computes logits in the integer domain. Once per task each query row q (already
+// times softmax_scale*log2 e) is rounded to int8 with one scale per row:
 //     qs = max|q| / 127,  q8 = rint(q * 127 / max|q|),  q^ = qs * q8.
 // A key value is code * s + z (sym: z = -2^(b-1) s), so for a per-token / per-group scale
 //     q^ . k = qs * sum_g s_g * (sum_{d in g} q8_d code_d) + sum_g z_g * (qs * sum_{d in g} q8_d)
