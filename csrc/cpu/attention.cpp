@@ -324,6 +324,14 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
       return (bool)__builtin_cpu_supports("avx512vnni");
     }();
     P.int_qk = !exact && (path != PATH_AVX512 || vnni) ? 1 : 0;
+    // 3-bit codes read as stored: the AVX-512 body's qk_int3 needs VBMI (vpmultishiftqb,
+    // vpermb) and VBMI2 (vpshrdd); the scalar body states the same arithmetic in C; the
+    // AVX2 body has no such path (it repacks int3 rows, nuq3 keys stay on the fp32 Q.K).
+    static const bool vbmi = [] {
+      __builtin_cpu_init();
+      return __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vbmi2");
+    }();
+    P.qk3 = path == PATH_SCALAR || (path == PATH_AVX512 && vbmi) ? 1 : 0;
   }
   const int64_t nwork = (int64_t)work.size();
   const int nthr = (int)std::min<int64_t>(nthreads, nwork);

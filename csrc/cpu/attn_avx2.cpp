@@ -332,6 +332,9 @@ static inline VF ci_f16lo(VI a) {
 }
 static inline void ci_store(int32_t* p, VI a) { _mm256_storeu_si256((__m256i*)p, a); }
 
+// No qk_int3 on this path (AttnParams::qk3 is 0): int3 rows are repacked to 4 bits,
+// nuq3 keys stay on the fp32 Q.K.
+#define KVQ_HAS_QK3 0
 // A 16-byte table in both 128-bit lanes: ci_lut16's operand.
 static inline VI ci_tab16(const uint8_t* t) {
   return _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)t));

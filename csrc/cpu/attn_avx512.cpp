@@ -11,6 +11,7 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi,bmi2")
 // GCC 12 warns about _mm512_undefined_* inside its own intrinsics (a false positive).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 
 namespace kvq_cpu {
 namespace kvq_avx512 {
@@ -352,6 +353,35 @@ static inline VI ci_tab16(const uint8_t* t) {
 }
 // Every byte x (a code < 16, ci_field's output) -> tab[x] (vpshufb).
 static inline VI ci_lut16(VI x, VI tab) { return _mm512_shuffle_epi8(tab, x); }
+// 3-bit codes as stored, for qk_int3 (attn_body.h): only functions with KVQ_QK3_TARGET
+// run VBMI / VBMI2 instructions, and the driver sets AttnParams::qk3 on this path only when
+// the CPU has both, so the rest of this file stays runnable on AVX-512 CPUs without them.
+#define KVQ_HAS_QK3 1
+#define KVQ_QK3_TARGET __attribute__((target("avx512vbmi,avx512vbmi2")))
+// Three transposed row words (96 bits per token lane: 32 codes) -> four 24-bit units of 8
+// codes each, unit k in the low bits of u[k] (vpshrdd joins the words a unit straddles).
+static inline KVQ_QK3_TARGET void ci_units3(VI w0, VI w1, VI w2, VI* u) {
+  u[0] = w0;
+  u[1] = _mm512_shrdi_epi32(w0, w1, 24);
+  u[2] = _mm512_shrdi_epi32(w1, w2, 16);
+  u[3] = _mm512_srli_epi32(w2, 8);
+}
+// The 64-byte table ci_fields3 reads: byte i = lut[i & 7] (nullptr: i & 7, the code itself).
+static inline KVQ_QK3_TARGET VI ci_tab3(const uint8_t* lut) {
+  alignas(64) uint8_t t[64];
+  for (int i = 0; i < 64; ++i) t[i] = lut ? lut[i & 7] : (uint8_t)(i & 7);
+  return _mm512_load_si512((const void*)t);
+}
+// A unit's 8 codes as bytes through the table: x[0] byte k of each lane = tab[code k],
+// x[1] = tab[code 4 + k]. vpmultishiftqb takes the 8 bits at 3k of each token's dword (two
+// tokens per qword: offsets 32 + 3k for the upper one), vpermb reads their low 6 bits, so
+// the 5 bits above the code only pick a copy of the same entry.
+static inline KVQ_QK3_TARGET void ci_fields3(VI u, VI tab, VI* x) {
+  const VI lo = _mm512_set1_epi64(0x2926232009060300LL);  // 0, 3, 6, 9 | 32, 35, 38, 41
+  const VI hi = _mm512_set1_epi64(0x35322F2C15120F0CLL);  // 12, 15, 18, 21 | 44, ...
+  x[0] = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(lo, u), tab);
+  x[1] = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(hi, u), tab);
+}
 // D packed 3-bit codes (8 per 3 bytes, code i at bits 3i..3i+2) -> D/2 bytes of 4-bit codes
 // (code i in nibble i), D % 32 == 0. Per 32 codes: their 12 bytes in every 128-bit lane
 // (a masked load: nothing past the row is read), vpshufb puts the two bytes holding code

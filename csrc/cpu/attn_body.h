@@ -66,8 +66,8 @@ template <int KIND, bool VEC, bool PERM>
 struct KT {};
 
 struct TileSrc {
-  const uint8_t* row[TT];  // codes of token t (int3: unpacked to one byte per code; K_F32:
-                           // the token's D decoded floats)
+  const uint8_t* row[TT];  // codes of token t (int3 keys on the integer Q.K without qk3:
+                           // repacked to 4 bits; K_F32: the token's D decoded floats)
   const float* sv[TT];     // VEC: D scales; else the token's scales, chunk c uses [c >> gshift]
   const float* zv[TT];
   const uint8_t* orow[TT];  // outlier slots of token t (fused path, codecs with outliers)
@@ -75,17 +75,18 @@ struct TileSrc {
   float lev[16];            // nuq kinds: lev[i] = codebook[i mod 2^bits]
 };
 
+// ts.lev for a codec: nuq's codebook; int3's codes themselves (its packed rows are read
+// like nuq3's, K_N3, with level c = c).
+static inline void set_levels(const kvq::Codec& c, const float* levels, TileSrc& ts) {
+  const int n = 1 << c.bits;
+  for (int i = 0; i < 16; ++i)
+    ts.lev[i] = c.encoding == kvq::ENC_NUQ && levels ? levels[i % n]
+                : c.encoding == kvq::ENC_INT && c.bits == 3 ? (float)(i % n) : 0.0f;
+}
+
 // The 3 bytes of 8 packed 3-bit codes (code i in bits 3i..3i+2) as one word.
 static inline uint32_t word3(const uint8_t* p) {
   return (uint32_t)p[0] | ((uint32_t)p[1] << 8) | ((uint32_t)p[2] << 16);
-}
-
-static void unpack3(const uint8_t* row, int D, uint8_t* out) {
-  for (int d = 0; d < D; d += 8) {
-    const uint8_t* p = row + d / 8 * 3;
-    const uint32_t w = word3(p);
-    for (int i = 0; i < 8; ++i) out[d + i] = (uint8_t)((w >> (3 * i)) & 7u);
-  }
 }
 
 template <int KIND>
@@ -410,12 +411,6 @@ static void prep_segment(const kvq::Codec& c, const kvq::Region& r, const uint8_
       cvt3to4_row(data + (int64_t)(off + i) * rb, D, u);
       rows[i] = u;
     }
-  } else if (is_int && c.bits == 3) {
-    for (int i = 0; i < cnt; ++i) {
-      uint8_t* u = tb.u8 + (int64_t)(at + i) * D;
-      unpack3(data + (int64_t)(off + i) * rb, D, u);
-      rows[i] = u;
-    }
   } else {
     const uint8_t* row = data + (int64_t)off * rb;
     for (int i = 0; i < cnt; ++i, row += rb) rows[i] = row;
@@ -506,6 +501,9 @@ static inline void with_kind(const kvq::Codec& c, bool perm, F&& f, bool dense =
   switch (c.bits) {
     case 4: KVQ_VP(K_U4)
     case 2: KVQ_VP(K_U2)
+    case 3:  // packed codes through the identity table (set_levels), like nuq3's
+      if (vec) f(KT<K_N3, true, false>{}); else f(KT<K_N3, false, false>{});
+      return;
     default: if (vec) f(KT<K_U8, true, false>{}); else f(KT<K_U8, false, false>{}); return;
   }
 #undef KVQ_VP
@@ -579,8 +577,8 @@ struct OutlierBatch {
   float delta[kOutBatch + W];
 };
 
-// CODE: 8 = one byte per code (int8; int3, unpacked by prep_segment), 4 / 2 = packed
-// nibbles / bit pairs, 3 = nuq3's 8 codes per 3 bytes.
+// CODE: 8 = one byte per code (int8), 4 / 2 = packed nibbles / bit pairs, 3 = 8 codes per
+// 3 bytes (int3, nuq3).
 template <int CODE>
 static inline uint32_t code_at(const uint8_t* row, int ch) {
   if (CODE == 8) return row[ch];
@@ -712,7 +710,7 @@ template <class F, class G>
 static void for_slots(const kvq::Codec& c, const TileSrc& ts, int a, int b, int D,
                       const IntKey* ik, const int32_t* sidx, F&& run, G&& fix_batch) {
   const bool nuq = c.encoding == kvq::ENC_NUQ, vec = c.granularity == kvq::GRAN_CHANNEL;
-  const int code = ik && ik->repack3 ? 4 : (c.bits == 3 && !nuq ? 8 : c.bits);
+  const int code = ik && ik->repack3 ? 4 : c.bits;
   const int sfl = vec ? 0 : c.granularity == kvq::GRAN_TOKEN ? 1
                           : c.granularity == kvq::GRAN_GROUP ? D / c.group : 0;
   auto go = [&](auto gather) {
@@ -824,30 +822,42 @@ static void outlier_fix_v(const kvq::Codec& c, const TileSrc& ts, int a, int b, 
 
 static inline int ichan(int bits, int p) {
   const int c = p / CW, j = p % CW;
-  if (bits == 8) return p;
+  if (bits == 8 || bits == 3) return p;
   if (bits == 4) return CW * c + (j < 2 * W ? 2 * j : 2 * (j - 2 * W) + 1);
   return CW * c + 4 * (j % W) + j / W;
 }
 
-// The code width the integer Q.K reads a key codec with (3-bit codes are repacked to 4).
-static inline int int_qk_bits(const kvq::Codec& c) { return c.bits == 3 ? 4 : c.bits; }
+// 3-bit keys the integer Q.K reads as stored (qk_int3; qk3: AttnParams::qk3): a group
+// must be whole word triples (32 channels).
+static inline bool int_qk_raw3(const kvq::Codec& c, bool qk3) {
+  return qk3 && c.bits == 3 && (c.granularity != kvq::GRAN_GROUP || c.group % 32 == 0);
+}
+// The code width the integer Q.K reads a key codec with (3-bit codes it cannot read as
+// stored are repacked to 4).
+static inline int int_qk_bits(const kvq::Codec& c, bool qk3) {
+  return c.bits == 3 && !int_qk_raw3(c, qk3) ? 4 : c.bits;
+}
+// The query's code order for that width (3 bits: channel order, like 8).
+static inline int int_qk_order(int bits) { return kPermInt + (bits == 3 ? 8 : bits); }
 
 // Whether the integer Q.K handles this key codec at this head size: int 8/4/3/2 and nuq
-// 4/2 codes (nuq levels through a byte table, IntKey), with or without outlier slots
-// (corrected after the integer dot products, like the fused path's). nuq3 keys stay on the
-// fp32 path: repacking their rows to 4 bits costs more than the integer dots save (Zen 4,
-// 9/3/64 4 x 4k, one thread: 0.74 ms vs 0.68; AVX2 path 1.40 vs 1.08), while int3's fp32
-// path unpacks to bytes first and the repack wins (1.85 vs 3.06 ms).
-static inline bool int_qk_ok(const kvq::Codec& c, int D) {
+// 4/3/2 codes (nuq levels through a byte table, IntKey), with or without outlier slots
+// (corrected after the integer dot products, like the fused path's). nuq3 keys only where
+// 3-bit rows are read as stored (qk3): repacking them to 4 bits cost more than the integer
+// dots save (Zen 4, 9/3/64 4 x 4k, one thread: 0.74 ms vs 0.68 on the fp32 path; AVX2 path
+// 1.40 vs 1.08), while int3's fp32 path unpacks to bytes first and the repack wins (1.85 vs
+// 3.06 ms).
+static inline bool int_qk_ok(const kvq::Codec& c, int D, bool qk3) {
   if (c.encoding != kvq::ENC_INT && c.encoding != kvq::ENC_NUQ) return false;
   if (c.bits != 8 && c.bits != 4 && c.bits != 3 && c.bits != 2) return false;
-  if (c.encoding == kvq::ENC_NUQ && c.bits == 3) return false;
+  if (c.encoding == kvq::ENC_NUQ && c.bits == 3 && !int_qk_raw3(c, qk3)) return false;
   if (D % CW || D > 512) return false;
   switch (c.granularity) {
     case kvq::GRAN_TOKEN: case kvq::GRAN_TENSOR: case kvq::GRAN_HEAD: case kvq::GRAN_CHANNEL:
       return true;
     case kvq::GRAN_GROUP:  // every 4-byte word of a row within one group
-      return c.group % (32 / int_qk_bits(c)) == 0 && D % c.group == 0;
+      return c.group % (int_qk_raw3(c, qk3) ? 32 : 32 / int_qk_bits(c, qk3)) == 0 &&
+             D % c.group == 0;
     default: return false;
   }
 }
@@ -865,6 +875,26 @@ static inline void code_fields(VI w, VI* x) {
     x[1] = ci_field<2>(w, 3);
     x[2] = ci_field<4>(w, 3);
     x[3] = ci_field<6>(w, 3);
+  }
+}
+
+// A token pass's logits after scale group g: the group's integer dot d = a0 + a1 (!GRP: the
+// whole row's), times the group's transposed scales sT[g * TT + lane] (GRP), summed in
+// group order (the reference's order).
+template <bool GRP>
+static inline VF qk_group_sum(VI a0, VI a1, int g, const float* sT, VF f) {
+  const VF d = ci_tof(ci_add(a0, a1));
+  if (!GRP) return d;
+  return g == 0 ? vmul(d, vload(sT)) : vfma(d, vload(sT + g * TT), f);
+}
+// The first min(n, W) lanes of v to dst.
+static inline void store_lanes(float* dst, VF v, int n) {
+  if (n >= W) {
+    vstore(dst, v);
+  } else {
+    float tmp[W];
+    vstore(tmp, v);
+    for (int i = 0; i < n; ++i) dst[i] = tmp[i];
   }
 }
 
@@ -925,26 +955,57 @@ static void qk_int(const int8_t* q8, int D, const TileSrc& ts, int ta, int tb, i
           }
           if (j < je) word(j, a0, a1);
         }
-        for (int r = 0; r < MR; ++r) {
-          const VF d = ci_tof(ci_add(a0[r], a1[r]));
-          if (!GRP) f[r] = d;
-          else if (g == 0) f[r] = vmul(d, vload(sT + t0));
-          else f[r] = vfma(d, vload(sT + g * TT + t0), f[r]);
-        }
+        for (int r = 0; r < MR; ++r) f[r] = qk_group_sum<GRP>(a0[r], a1[r], g, sT + t0, f[r]);
       }
-      for (int r = 0; r < MR; ++r) {
-        float* dst = S + (int64_t)(m0 + r) * SL + t0;
-        if (t0 + W <= tb) {
-          vstore(dst, f[r]);
-        } else {
-          float tmp[W];
-          vstore(tmp, f[r]);
-          for (int i = 0; i < tb - t0; ++i) dst[i] = tmp[i];
-        }
-      }
+      for (int r = 0; r < MR; ++r) store_lanes(S + (int64_t)(m0 + r) * SL + t0, f[r], tb - t0);
     }
   }
 }
+
+#if KVQ_HAS_QK3
+// qk_int for 3-bit rows as stored: each row word triple (32 codes, 4 units of 8; ci_units3)
+// gives 8 words of 4 codes as bytes through the 64-byte table tab3 (ci_fields3: nuq's byte
+// levels, or the codes themselves), in channel order, so the query stays in channel order
+// (int_qk_order). tpg: word triples per scale group (GRP).
+template <bool GRP, int MB>
+static KVQ_QK3_TARGET void qk_int3(const int8_t* q8, int D, const TileSrc& ts, int ta, int tb,
+                                   int tpg, const float* sT, float* S, const uint8_t* lut) {
+  constexpr int MR = MB < 4 ? MB : 4;
+  const VI tab = ci_tab3(lut);
+  const int ncol = D * 3 / 32, ntri = D / 32;
+  const int per = GRP ? tpg : ntri, ngrp = ntri / per;
+  VI col[48];
+  for (int t0 = ta; t0 < tb; t0 += W) {
+    const uint8_t* rows[W];
+    for (int i = 0; i < W; ++i) rows[i] = ts.row[imin(t0 + i, tb - 1)];
+    for (int j = 0; j < ncol; j += 8) ci_tr8(rows, 4 * j, imin(8, ncol - j), col + j);
+    for (int m0 = 0; m0 < MB; m0 += MR) {
+      const int8_t* qm = q8 + (int64_t)m0 * D;
+      VF f[MR];
+      for (int r = 0; r < MR; ++r) f[r] = vzero();
+      for (int g = 0; g < ngrp; ++g) {
+        VI a0[MR], a1[MR];  // codes 0-3 / 4-7 of each unit: two dependency chains
+        for (int r = 0; r < MR; ++r) a0[r] = a1[r] = ci_zero();
+        for (int i = g * per; i < (g + 1) * per; ++i) {
+          VI u[4];
+          ci_units3(col[3 * i], col[3 * i + 1], col[3 * i + 2], u);
+          for (int k = 0; k < 4; ++k) {
+            VI x[2];
+            ci_fields3(u[k], tab, x);
+            const int8_t* qw = qm + 32 * i + 8 * k;  // channels 32i + 8k ..
+            for (int r = 0; r < MR; ++r) {
+              a0[r] = ci_dot<false>(a0[r], x[0], ci_bcast4(qw + (int64_t)r * D));
+              a1[r] = ci_dot<false>(a1[r], x[1], ci_bcast4(qw + (int64_t)r * D + 4));
+            }
+          }
+        }
+        for (int r = 0; r < MR; ++r) f[r] = qk_group_sum<GRP>(a0[r], a1[r], g, sT + t0, f[r]);
+      }
+      for (int r = 0; r < MR; ++r) store_lanes(S + (int64_t)(m0 + r) * SL + t0, f[r], tb - t0);
+    }
+  }
+}
+#endif
 
 template <int BITS, bool GRP, bool LUT>
 static void qk_int_rows(int MBq, const int8_t* q8, int D, const TileSrc& ts, int ta, int tb,
@@ -971,9 +1032,30 @@ static void qk_int_bits(bool grp, int MBq, const int8_t* q8, int D, const TileSr
   }
 }
 // bits: the code width of the rows (int_qk_bits); lut: nuq's byte table or nullptr.
+#if KVQ_HAS_QK3
+template <bool GRP>
+static void qk_int3_rows(int MBq, const int8_t* q8, int D, const TileSrc& ts, int ta, int tb,
+                         int tpg, const float* sT, float* S, const uint8_t* lut) {
+  switch (MBq) {
+    case 1: qk_int3<GRP, 1>(q8, D, ts, ta, tb, tpg, sT, S, lut); return;
+    case 2: qk_int3<GRP, 2>(q8, D, ts, ta, tb, tpg, sT, S, lut); return;
+    case 3: qk_int3<GRP, 3>(q8, D, ts, ta, tb, tpg, sT, S, lut); return;
+    case 4: qk_int3<GRP, 4>(q8, D, ts, ta, tb, tpg, sT, S, lut); return;
+    case 8: qk_int3<GRP, 8>(q8, D, ts, ta, tb, tpg, sT, S, lut); return;
+    default: qk_int3<GRP, 16>(q8, D, ts, ta, tb, tpg, sT, S, lut); return;
+  }
+}
+#endif
 static void qk_int_kind(int bits, bool grp, int MBq, const int8_t* q8, int D, const TileSrc& ts,
                         int ta, int tb, int cpg, const float* sT, float* S,
                         const uint8_t* lut) {
+#if KVQ_HAS_QK3
+  if (bits == 3) {  // cpg = group * 3 / 32 words: whole triples (int_qk_raw3)
+    if (grp) qk_int3_rows<true>(MBq, q8, D, ts, ta, tb, cpg / 3, sT, S, lut);
+    else qk_int3_rows<false>(MBq, q8, D, ts, ta, tb, cpg / 3, sT, S, lut);
+    return;
+  }
+#endif
   if (bits == 8) qk_int_bits<8>(grp, MBq, q8, D, ts, ta, tb, cpg, sT, S, lut);
   else if (bits == 4) qk_int_bits<4>(grp, MBq, q8, D, ts, ta, tb, cpg, sT, S, lut);
   else qk_int_bits<2>(grp, MBq, q8, D, ts, ta, tb, cpg, sT, S, lut);
@@ -1398,7 +1480,8 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   const int MBp = fused ? (M <= 4 ? M : fused_rows(M)) : 0;
   const bool vperm = fused && can_perm(P.vc, D);
   const int vpk = vperm ? (P.vc.bits == 4 ? K_U4 : K_U2) : -1;
-  bool iqk = fused && T.decode && P.int_qk && int_qk_ok(P.kc, D);  // integer Q.K (below)
+  // integer Q.K (below)
+  bool iqk = fused && T.decode && P.int_qk && int_qk_ok(P.kc, D, P.qk3);
 
   float* Q = scratch;
   float* Qk = Q + (size_t)Mp * D;  // Q in the K side's decode order (permuted or = Q)
@@ -1461,7 +1544,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   // The key codec's form for the integer Q.K (IntKey): nuq levels as bytes u = rint((level -
   // lmin) * 255 / (lmax - lmin)) (a codebook with one level stays on the exact path).
   IntKey ik{};
-  ik.repack3 = P.kc.bits == 3;
+  ik.repack3 = P.kc.bits == 3 && !int_qk_raw3(P.kc, P.qk3);
   ik.nuq = P.kc.encoding == kvq::ENC_NUQ;
   if (iqk && ik.nuq) {
     const int n = 1 << P.kc.bits;
@@ -1476,20 +1559,21 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
       iqk = false;
     }
   }
-  const IntKey* ikp = iqk && (ik.repack3 || ik.nuq) ? &ik : nullptr;
+  const IntKey* ikp = iqk && (P.kc.bits == 3 || ik.nuq) ? &ik : nullptr;
   const uint8_t* klut = iqk && ik.nuq ? ik.lut : nullptr;
   const bool ichn = iqk && P.kc.granularity == kvq::GRAN_CHANNEL;
   const bool igrp = iqk && P.kc.granularity == kvq::GRAN_GROUP;
-  const int kbits = int_qk_bits(P.kc);
+  const int kbits = int_qk_bits(P.kc, P.qk3);
+  const int kord = int_qk_order(kbits);  // the int8 query's code order
   const int ng = igrp ? D / P.kc.group : 1;
   const bool kperm = fused && !iqk && can_perm(P.kc, D);
-  const int kpk = kperm ? (P.kc.bits == 4 ? K_U4 : K_U2) : (ichn ? kPermInt + kbits : -1);
+  const int kpk = kperm ? (P.kc.bits == 4 ? K_U4 : K_U2) : (ichn ? kord : -1);
   if (iqk) {
     // Q in code order (the kernels read MBq rows); per-token / per-group / static keys: the
     // int8 rows, their scales, qs * (each group's sum of q8), and Q itself rounded (the
     // staging keys read the rounded query too). Groups are >= W channels: whole vectors.
     for (int m = 0; m < MBq; ++m)
-      permute_row(Q + (int64_t)m * D, D, kPermInt + kbits, Qk + (int64_t)m * D);
+      permute_row(Q + (int64_t)m * D, D, kord, Qk + (int64_t)m * D);
     if (!ichn) {
       const int gv = igrp ? P.kc.group / W : D / W;  // vectors per group
       for (int m = 0; m < MBq; ++m) {
@@ -1526,13 +1610,13 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   Seg segs[TT / 16 + 2];
   TileSrc ks, vs;
   ks.gshift = vs.gshift = 30;
-  for (int i = 0; i < 16; ++i) {
-    // the integer Q.K's outlier corrections read nuq levels in their byte form
-    ks.lev[i] = klut ? (float)klut[i] : P.k_levels ? P.k_levels[i % (1 << P.kc.bits)] : 0.0f;
-    vs.lev[i] = P.v_levels ? P.v_levels[i % (1 << P.vc.bits)] : 0.0f;
-  }
+  set_levels(P.kc, P.k_levels, ks);
+  set_levels(P.vc, P.v_levels, vs);
+  // the integer Q.K's outlier corrections read nuq levels in their byte form
+  if (klut)
+    for (int i = 0; i < 16; ++i) ks.lev[i] = (float)klut[i];
   // per-channel scale rows are in code order: a slot's channel -> its position there
-  const int32_t* ksidx = ichn ? perm_inv_table(kPermInt + kbits) : nullptr;
+  const int32_t* ksidx = ichn ? perm_inv_table(kord) : nullptr;
   for (int j = T.kbeg; j < T.kend;) {
     const int jt0 = j;
     int nt = 0, ns = 0, nkc = 0;
@@ -1769,6 +1853,7 @@ static void decode_rows_impl(const kvq::Codec& c, const kvq::Region& r, const ui
   float* rows = carve_tile_bufs(scratch, D, tb);  // one tile's values, fp32
   TileSrc ts;
   ts.gshift = 30;
+  set_levels(c, levels, ts);
   for (int t0 = 0; t0 < cnt; t0 += TT) {
     const int n = imin(TT, cnt - t0);
     int nch_rows = 0;

@@ -51,6 +51,8 @@ struct AttnParams {
   float* partials;          // split tasks' partial results (AttnTask::part offsets)
   int32_t int_qk;           // 1: decode tasks may use the int8-query Q.K for int keys
                             // (attn_body.h "integer Q.K"); 0: exact fp32 Q.K everywhere
+  int32_t qk3;              // 1: that Q.K reads 3-bit codes as stored (the path has
+                            // KVQ_HAS_QK3 and the CPU its instructions); 0: repacked / fp32
 };
 
 // One unit of work: a tile of consecutive query tokens of one sequence, one kv head (all

@@ -307,6 +307,29 @@ static inline VI ci_lut16(VI x, VI tab) {
   for (int i = 0; i < 4 * W; ++i) ((uint8_t*)r.i)[i] = ((const uint8_t*)tab.i)[xb[i] & 15];
   return r;
 }
+// 3-bit codes as stored (the AVX-512 body's VBMI primitives, stated in C).
+#define KVQ_HAS_QK3 1
+#define KVQ_QK3_TARGET
+static inline void ci_units3(VI w0, VI w1, VI w2, VI* u) {
+  for (int l = 0; l < W; ++l) {
+    const uint32_t a = (uint32_t)w0.i[l], b = (uint32_t)w1.i[l], c = (uint32_t)w2.i[l];
+    u[0].i[l] = (int32_t)a;
+    u[1].i[l] = (int32_t)((a >> 24) | (b << 8));
+    u[2].i[l] = (int32_t)((b >> 16) | (c << 16));
+    u[3].i[l] = (int32_t)(c >> 8);
+  }
+}
+static inline VI ci_tab3(const uint8_t* lut) {
+  VI r;
+  for (int i = 0; i < 4 * W; ++i) ((uint8_t*)r.i)[i] = lut ? lut[i & 7] : (uint8_t)(i & 7);
+  return r;
+}
+static inline void ci_fields3(VI u, VI tab, VI* x) {
+  const uint8_t* t = (const uint8_t*)tab.i;
+  for (int l = 0; l < W; ++l)
+    for (int k = 0; k < 8; ++k)
+      ((uint8_t*)x[k / 4].i)[4 * l + k % 4] = t[((uint32_t)u.i[l] >> (3 * k)) & 7];
+}
 static inline void cvt3to4_row(const uint8_t* src, int D, uint8_t* dst) {
   for (int d = 0; d < D; d += 8) {
     const uint8_t* g = src + d / 8 * 3;
