@@ -8,7 +8,9 @@
 //   ld_f16 / ld_bf16 (W halves), ld_u8 (W bytes), ld_u4 (W/2 bytes), ld_u2 (W/4 bytes),
 //   ld_e4m3 (W bytes, value * 2^-8), ld_e5m2 (W bytes);
 //   for the integer Q.K: VI (W int32 lanes), ci_zero, ci_add, ci_dot<SMALL>, ci_tof,
-//   ci_bcast4, ci_field<SH>, ci_tr8 (W rows' 4-byte words transposed), vq8_store.
+//   ci_bcast4, ci_field<SH>, ci_tr8 (W rows' 4-byte words transposed), vq8_store;
+//   KVQ_HAS_QK3 (1: also ci_units3, ci_tab3, ci_fields3 and the KVQ_QK3_TARGET attribute,
+//   for qk_int3: 3-bit codes read as stored).
 //
 // Algorithm (per task = one sequence, one kv head, a tile of query tokens, a range of key
 // positions): the Q rows (all gq query heads of each query token, pre-scaled by
@@ -26,17 +28,19 @@
 // see cannot reach it. Headers are included by the translation unit before its target
 // pragma.
 //
-// Integer Q.K (fused decode path; int keys of 8/4/3/2 bits and nuq keys of 4/2 bits, with
-// or without outlier slots; see "integer Q.K" below): the query rows are rounded to int8
-// once per task and each key token's logit is an integer dot product of codes (nuq: their
-// levels as bytes) and int8 query (vpdpbusd) with one token per lane, scaled once per scale
-// group; outlier slots are corrected after it.
+// Integer Q.K (fused decode path; int keys of 8/4/3/2 bits and nuq keys of 4/2 bits, nuq3
+// where the path reads 3-bit codes as stored (AttnParams::qk3), with or without outlier
+// slots; see "integer Q.K" below): the query rows are rounded to int8 once per task and
+// each key token's logit is an integer dot product of codes (nuq: their levels as bytes)
+// and int8 query (vpdpbusd) with one token per lane, scaled once per scale group; outlier
+// slots are corrected after it.
 //
 // In the scratch path (prefill tiles) nuq codecs and codecs with outlier slots are decoded
 // to fp32 rows when a tile is prepared (predecode_segment: level[code] * scale + zero
 // through the layer's codebook, or code * scale + zero, then each outlier slot overwrites
 // its channel) and consumed as the K_F32 kind. The fused path reads their codes in
-// registers (nuq through the codebook, ld_t*) and corrects each slot sparsely (slot_runs).
+// registers (nuq through the codebook, ld_t*; int3 through the identity table, K_N3) and
+// corrects each slot sparsely (slot_runs).
 
 constexpr int TT = kTileTokens;
 constexpr int SL = kTileTokens;  // row stride of the logits tile
@@ -72,7 +76,7 @@ struct TileSrc {
   const float* zv[TT];
   const uint8_t* orow[TT];  // outlier slots of token t (fused path, codecs with outliers)
   int gshift;
-  float lev[16];            // nuq kinds: lev[i] = codebook[i mod 2^bits]
+  float lev[16];            // K_N*: lev[i] = level of code i mod 2^bits (set_levels)
 };
 
 // ts.lev for a codec: nuq's codebook; int3's codes themselves (its packed rows are read
@@ -794,7 +798,7 @@ static void outlier_fix_v(const kvq::Codec& c, const TileSrc& ts, int a, int b, 
 }
 
 // ---- integer Q.K ---------------------------------------------------------------------------
-// For int keys (8/4/3/2 bits) and nuq keys (4/2 bits; IntKey, int_qk_ok) the fused decode
+// For int keys (8/4/3/2 bits) and nuq keys (4/3/2 bits; IntKey, int_qk_ok) the fused decode
 // path computes logits in the integer domain. Once per task each query row q (already
 // times softmax_scale*log2 e) is rounded to int8 with one scale per row:
 //     qs = max|q| / 127,  q8 = rint(q * 127 / max|q|),  q^ = qs * q8.
