@@ -882,6 +882,13 @@ static inline void code_fields(VI w, VI* x) {
   }
 }
 
+// The key rows of tokens [t0, t0 + W) (past tb: the last one again) as ncol transposed row
+// words: col[j] lane i = word j of token t0 + i's row (ci_tr8).
+static inline void transpose_words(const TileSrc& ts, int t0, int tb, int ncol, VI* col) {
+  const uint8_t* rows[W];
+  for (int i = 0; i < W; ++i) rows[i] = ts.row[imin(t0 + i, tb - 1)];
+  for (int j = 0; j < ncol; j += 8) ci_tr8(rows, 4 * j, imin(8, ncol - j), col + j);
+}
 // A token pass's logits after scale group g: the group's integer dot d = a0 + a1 (!GRP: the
 // whole row's), times the group's transposed scales sT[g * TT + lane] (GRP), summed in
 // group order (the reference's order).
@@ -925,9 +932,7 @@ static void qk_int(const int8_t* q8, int D, const TileSrc& ts, int ta, int tb, i
   const int per = GRP ? cpg : ncol, ngrp = ncol / per;
   VI col[128];
   for (int t0 = ta; t0 < tb; t0 += W) {
-    const uint8_t* rows[W];
-    for (int i = 0; i < W; ++i) rows[i] = ts.row[imin(t0 + i, tb - 1)];
-    for (int j = 0; j < ncol; j += 8) ci_tr8(rows, 4 * j, imin(8, ncol - j), col + j);
+    transpose_words(ts, t0, tb, ncol, col);
     for (int m0 = 0; m0 < MB; m0 += MR) {
       const int8_t* qm = q8 + (int64_t)m0 * D;
       VF f[MR];
@@ -980,9 +985,7 @@ static KVQ_QK3_TARGET void qk_int3(const int8_t* q8, int D, const TileSrc& ts, i
   const int per = GRP ? tpg : ntri, ngrp = ntri / per;
   VI col[48];
   for (int t0 = ta; t0 < tb; t0 += W) {
-    const uint8_t* rows[W];
-    for (int i = 0; i < W; ++i) rows[i] = ts.row[imin(t0 + i, tb - 1)];
-    for (int j = 0; j < ncol; j += 8) ci_tr8(rows, 4 * j, imin(8, ncol - j), col + j);
+    transpose_words(ts, t0, tb, ncol, col);
     for (int m0 = 0; m0 < MB; m0 += MR) {
       const int8_t* qm = q8 + (int64_t)m0 * D;
       VF f[MR];
