@@ -1014,17 +1014,26 @@ static KVQ_QK3_TARGET void qk_int3(const int8_t* q8, int D, const TileSrc& ts, i
 }
 #endif
 
+// f(RowsT<MB>{}) for the integer Q.K's row blocks MBq (fused_rows: 1-4, 8, 16).
+template <int N>
+struct RowsT { static constexpr int value = N; };
+template <class F>
+static inline void with_row_block(int MBq, F&& f) {
+  switch (MBq) {
+    case 1: f(RowsT<1>{}); return;
+    case 2: f(RowsT<2>{}); return;
+    case 3: f(RowsT<3>{}); return;
+    case 4: f(RowsT<4>{}); return;
+    case 8: f(RowsT<8>{}); return;
+    default: f(RowsT<16>{}); return;
+  }
+}
 template <int BITS, bool GRP, bool LUT>
 static void qk_int_rows(int MBq, const int8_t* q8, int D, const TileSrc& ts, int ta, int tb,
                         int cpg, const float* sT, float* S, const uint8_t* lut) {
-  switch (MBq) {
-    case 1: qk_int<BITS, GRP, 1, LUT>(q8, D, ts, ta, tb, cpg, sT, S, lut); return;
-    case 2: qk_int<BITS, GRP, 2, LUT>(q8, D, ts, ta, tb, cpg, sT, S, lut); return;
-    case 3: qk_int<BITS, GRP, 3, LUT>(q8, D, ts, ta, tb, cpg, sT, S, lut); return;
-    case 4: qk_int<BITS, GRP, 4, LUT>(q8, D, ts, ta, tb, cpg, sT, S, lut); return;
-    case 8: qk_int<BITS, GRP, 8, LUT>(q8, D, ts, ta, tb, cpg, sT, S, lut); return;
-    default: qk_int<BITS, GRP, 16, LUT>(q8, D, ts, ta, tb, cpg, sT, S, lut); return;
-  }
+  with_row_block(MBq, [&](auto mb) {
+    qk_int<BITS, GRP, decltype(mb)::value, LUT>(q8, D, ts, ta, tb, cpg, sT, S, lut);
+  });
 }
 template <int BITS>
 static void qk_int_bits(bool grp, int MBq, const int8_t* q8, int D, const TileSrc& ts, int ta,
@@ -1039,27 +1048,16 @@ static void qk_int_bits(bool grp, int MBq, const int8_t* q8, int D, const TileSr
   }
 }
 // bits: the code width of the rows (int_qk_bits); lut: nuq's byte table or nullptr.
-#if KVQ_HAS_QK3
-template <bool GRP>
-static void qk_int3_rows(int MBq, const int8_t* q8, int D, const TileSrc& ts, int ta, int tb,
-                         int tpg, const float* sT, float* S, const uint8_t* lut) {
-  switch (MBq) {
-    case 1: qk_int3<GRP, 1>(q8, D, ts, ta, tb, tpg, sT, S, lut); return;
-    case 2: qk_int3<GRP, 2>(q8, D, ts, ta, tb, tpg, sT, S, lut); return;
-    case 3: qk_int3<GRP, 3>(q8, D, ts, ta, tb, tpg, sT, S, lut); return;
-    case 4: qk_int3<GRP, 4>(q8, D, ts, ta, tb, tpg, sT, S, lut); return;
-    case 8: qk_int3<GRP, 8>(q8, D, ts, ta, tb, tpg, sT, S, lut); return;
-    default: qk_int3<GRP, 16>(q8, D, ts, ta, tb, tpg, sT, S, lut); return;
-  }
-}
-#endif
 static void qk_int_kind(int bits, bool grp, int MBq, const int8_t* q8, int D, const TileSrc& ts,
                         int ta, int tb, int cpg, const float* sT, float* S,
                         const uint8_t* lut) {
 #if KVQ_HAS_QK3
   if (bits == 3) {  // cpg = group * 3 / 32 words: whole triples (int_qk_raw3)
-    if (grp) qk_int3_rows<true>(MBq, q8, D, ts, ta, tb, cpg / 3, sT, S, lut);
-    else qk_int3_rows<false>(MBq, q8, D, ts, ta, tb, cpg / 3, sT, S, lut);
+    with_row_block(MBq, [&](auto mb) {
+      constexpr int MB = decltype(mb)::value;
+      if (grp) qk_int3<true, MB>(q8, D, ts, ta, tb, cpg / 3, sT, S, lut);
+      else qk_int3<false, MB>(q8, D, ts, ta, tb, cpg / 3, sT, S, lut);
+    });
     return;
   }
 #endif
