@@ -69,7 +69,63 @@ enum Kind { K_F16 = 0, K_BF16, K_E4M3, K_E5M2, K_U8, K_U4, K_U2, K_F32, K_N4, K_
 template <int KIND, bool VEC, bool PERM>
 struct KT {};
 
+// The next tile's lines of one side (K or V: code rows, scales, zero-points, outlier slots),
+// prefetched while this tile's kernels of that side run, a share per step: a burst of the
+// whole tile (~320 lines for int4_group32 D=128) outruns the core's outstanding-miss slots,
+// and every prefetch past them waits for a line to arrive. Kernels step() as they go (qk:
+// per token; P.V: per token of each pass, pace() set for all passes); flush() issues the rest.
+struct RowStream {
+  static constexpr int kMaxRanges = 64;
+  const uint8_t* beg[kMaxRanges];
+  const uint8_t* end[kMaxRanges];
+  const uint8_t* cur = nullptr;
+  int nr = 0, r = 0;   // ranges, the one `cur` is in
+  int64_t left = 0;    // lines not yet issued
+  uint64_t rate = 0;   // lines per step, 16.16 fixed point
+  uint64_t credit = 0;
+  void clear() { nr = r = 0; left = 0; credit = 0; cur = nullptr; }
+  void add(const uint8_t* p, int64_t bytes) {
+    if (bytes <= 0) return;
+    if (nr == kMaxRanges) {  // (not reached by the tiles we build; no line is lost)
+      for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
+      return;
+    }
+    beg[nr] = p;
+    end[nr] = p + bytes;
+    if (nr++ == 0) cur = p;
+    left += (bytes + 63) / 64;
+  }
+  void pace(int64_t steps) {  // spread what is left evenly over `steps` calls of step(1)
+    rate = steps > 0 ? (((uint64_t)left << 16) + steps - 1) / steps : (uint64_t)left << 16;
+    credit = 0;
+  }
+  // the next `lines` (<= left) lines, range by range
+  __attribute__((always_inline)) void issue(int64_t lines) {
+    left -= lines;
+    while (lines > 0) {
+      const int64_t in_range = (end[r] - cur + 63) >> 6;
+      const int64_t c = lines < in_range ? lines : in_range;
+      for (int64_t i = 0; i < c; ++i) __builtin_prefetch(cur + 64 * i);
+      cur += 64 * c;
+      lines -= c;
+      if (cur >= end[r] && ++r < nr) cur = beg[r];
+    }
+  }
+  __attribute__((always_inline)) void step(int k = 1) {
+    if (left <= 0) return;
+    credit += rate * (uint64_t)k;
+    const int64_t due = (int64_t)(credit >> 16);
+    if (due == 0) return;
+    credit &= 65535;
+    issue(due < left ? due : left);
+  }
+  void flush() {
+    if (left > 0) issue(left);
+  }
+};
+
 struct TileSrc {
+  RowStream* next = nullptr;  // the next tile's lines of this side, or none
   const uint8_t* row[TT];  // codes of token t (int3 keys on the integer Q.K without qk3:
                            // repacked to 4 bits; K_F32: the token's D decoded floats)
   const float* sv[TT];     // VEC: D scales; else the token's scales, chunk c uses [c >> gshift]
@@ -560,8 +616,10 @@ static inline void decode_step(const TileSrc& ts, int t, int u, VF* out) {
 template <int KIND, bool VEC>
 static void decode_tile(const TileSrc& ts, int nt, int D, float* out) {  // natural order
   const int nch = D / W;
-  for (int t = 0; t < nt; ++t)
+  for (int t = 0; t < nt; ++t) {
     for (int c = 0; c < nch; ++c) vstore(out + (int64_t)t * D + c * W, decode<KIND, VEC>(ts, t, c));
+    if (ts.next) ts.next->step();
+  }
 }
 
 // ---- outlier slots in the fused path -------------------------------------------------------
@@ -933,6 +991,7 @@ static void qk_int(const int8_t* q8, int D, const TileSrc& ts, int ta, int tb, i
   VI col[128];
   for (int t0 = ta; t0 < tb; t0 += W) {
     transpose_words(ts, t0, tb, ncol, col);
+    if (ts.next) ts.next->step(imin(W, tb - t0));
     for (int m0 = 0; m0 < MB; m0 += MR) {
       const int8_t* qm = q8 + (int64_t)m0 * D;
       VF f[MR];
@@ -986,6 +1045,7 @@ static KVQ_QK3_TARGET void qk_int3(const int8_t* q8, int D, const TileSrc& ts, i
   VI col[48];
   for (int t0 = ta; t0 < tb; t0 += W) {
     transpose_words(ts, t0, tb, ncol, col);
+    if (ts.next) ts.next->step(imin(W, tb - t0));
     for (int m0 = 0; m0 < MB; m0 += MR) {
       const int8_t* qm = q8 + (int64_t)m0 * D;
       VF f[MR];
@@ -1102,6 +1162,7 @@ static void qk_fused(const float* Q, const TileSrc& ts, int nt, int D, float* S)
   constexpr int TB = W / MB, NV = PERM ? 2 : 1;
   const int nsteps = D / W / NV;
   for (int t0 = 0; t0 < nt; t0 += TB) {
+    if (ts.next) ts.next->step(imin(TB, nt - t0));
     VF acc[W];
     for (int i = 0; i < W; ++i) acc[i] = vzero();
     int tk[TB];
@@ -1181,10 +1242,15 @@ static inline void pv_fused_block(const float* P, const TileSrc& ts, int a, int 
     }
   int goff[DS];
   for (int k = 0; k < DS; ++k) goff[k] = FOLD ? (((u0 + k) * NV) >> ts.gshift) * SL : 0;
+  RowStream* const next = ts.next;
   int t = a;
-  for (; t + U <= b; t += U)
-    for (int s = 0; s < U; ++s)
-      pv_fused_token<KIND, VEC, PERM, MB, DS, FOLD>(P, ts, t + s, u0, goff, PS, ngs, x[s]);
+  while (t + U <= b) {  // runs of 16 tokens, the next tile's lines streamed between them
+    const int te = t + imin(16, (b - t) / U * U);
+    if (next) next->step(te - t);
+    for (; t < te; t += U)
+      for (int s = 0; s < U; ++s)
+        pv_fused_token<KIND, VEC, PERM, MB, DS, FOLD>(P, ts, t + s, u0, goff, PS, ngs, x[s]);
+  }
   for (; t < b; ++t) pv_fused_token<KIND, VEC, PERM, MB, DS, FOLD>(P, ts, t, u0, goff, PS, ngs, x[0]);
   for (int mi = 0; mi < MB; ++mi)
     for (int k = 0; k < DC; ++k) {
@@ -1211,6 +1277,7 @@ static void pv_fused(const float* P, const TileSrc& ts, int a, int b, int D, flo
   constexpr int U = (MB * DC1R < 10 && DCU >= 2) ? 2 : 1;
   constexpr int DS = U == 2 ? DCU / NV : DC1 / NV;
   const int nsteps = D / W / NV;
+  if (ts.next) ts.next->pace((int64_t)(nsteps / DS + nsteps % DS) * (b - a));
   int u = 0;
   for (; u + DS <= nsteps; u += DS)
     pv_fused_block<KIND, VEC, PERM, MB, DS, FOLD, U>(P, ts, a, b, D, u, acc, PS, ngs);
@@ -1438,16 +1505,12 @@ static void pv_tile(const float* P, int M, const float* V, const int* lo, const 
 // DRAM, as a served model's are (every layer's cache), this keeps the loads in flight: Zen 4,
 // 2 threads, 16 x 32k decodes 9/3/64: bf16 24.3 -> 18.1 ms, int4_group32 18.9 -> 13.5,
 // kivi2 15.3 -> 10.4; 32/8/128 10-25% faster. Pages already in cache (one layer's small
-// cache timed alone) pay ~5% for it (4k, batch 4). The earlier 512-byte cap per stream was
-// set with 64-token tiles, where the full prefetch had cost up to 25% in cache.
-static inline void prefetch_rows(const uint8_t* p, int64_t n) {
-  for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(p + i);
-}
-
-// Scales, zero-points and outlier slots of rows [off, off+cnt) of a region (separate
-// streams of the plane: without this their first touch stalls the tile's preparation).
-static inline void prefetch_fields(const kvq::Codec& c, const kvq::Region& r,
-                                   const uint8_t* plane, int off, int cnt, int D) {
+// cache timed alone) pay ~5% for it (4k, batch 4). Issued a share per kernel step
+// (RowStream), not as one burst at the tile's start.
+// Rows [off, off+cnt) of a region: scales and zero-points (separate streams of the plane:
+// without them their first touch stalls the tile's preparation), outlier slots, codes.
+static inline void stream_rows(const kvq::Codec& c, const kvq::Region& r, const uint8_t* plane,
+                               int off, int cnt, int D, RowStream& out) {
   if (r.scale_bytes) {
     int64_t b, n;
     if (c.granularity == kvq::GRAN_CHANNEL) {
@@ -1457,12 +1520,12 @@ static inline void prefetch_fields(const kvq::Codec& c, const kvq::Region& r,
       b = (int64_t)off * r.scale_cols * 2;
       n = (int64_t)cnt * r.scale_cols * 2;
     }
-    prefetch_rows(plane + r.scale_off + b, n);
-    if (r.zero_bytes) prefetch_rows(plane + r.zero_off + b, n);
+    out.add(plane + r.scale_off + b, n);
+    if (r.zero_bytes) out.add(plane + r.zero_off + b, n);
   }
   if (c.outliers)
-    prefetch_rows(plane + r.outlier_off + (int64_t)off * c.outliers * 4,
-                  (int64_t)cnt * c.outliers * 4);
+    out.add(plane + r.outlier_off + (int64_t)off * c.outliers * 4, (int64_t)cnt * c.outliers * 4);
+  out.add(plane + r.data_off + (int64_t)off * r.row_bytes, (int64_t)cnt * r.row_bytes);
 }
 
 // A tile's per-group scales or zeros, [t][g] rows of ng floats (contiguous over the tile, as
@@ -1614,6 +1677,9 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   struct Seg { const uint8_t* plane; int off, cnt, at; };
   Seg segs[TT / 16 + 2];
   TileSrc ks, vs;
+  RowStream kstream, vstream;
+  ks.next = &kstream;
+  vs.next = &vstream;
   ks.gshift = vs.gshift = 30;
   set_levels(P.kc, P.k_levels, ks);
   set_levels(P.vc, P.v_levels, vs);
@@ -1635,19 +1701,19 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
       nt += cnt;
       j += cnt;
     }
-    // Prefetch the next tile's code rows (K and V) while this one is computed.
+    // The next tile's lines (K and V), streamed in while this one is computed.
+    kstream.clear();
+    vstream.clear();
     for (int jn = j, left = TT; jn < T.kend && left > 0;) {
       const int off = jn % B, cnt = imin(imin(left, B - off), T.kend - jn);
       const uint8_t* np = hbase + (int64_t)btrow[jn / B] * P.c_sb;
-      prefetch_rows(np + P.lay.k.data_off + (int64_t)off * P.lay.k.row_bytes,
-                    cnt * P.lay.k.row_bytes);
-      prefetch_rows(np + P.lay.v.data_off + (int64_t)off * P.lay.v.row_bytes,
-                    cnt * P.lay.v.row_bytes);
-      prefetch_fields(P.kc, P.lay.k, np, off, cnt, D);
-      prefetch_fields(P.vc, P.lay.v, np, off, cnt, D);
+      stream_rows(P.kc, P.lay.k, np, off, cnt, D, kstream);
+      stream_rows(P.vc, P.lay.v, np, off, cnt, D, vstream);
       jn += cnt;
       left -= cnt;
     }
+    kstream.pace(nt);
+    vstream.pace(nt);
     for (int m = 0; m < M; ++m) {
       // a decode's window starts at kbeg (lo = 0); prefill rows start later, one by one
       lo[m] = P.window ? iclamp(pq[m / gq] - P.window + 1 - jt0, 0, nt) : 0;
@@ -1722,6 +1788,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
     // The integer Q.K's outlier slots: per-token / per-group / static keys with the rounded
     // query (Q holds it), per-channel keys with the exact one (like their zero-points).
     if (iqk && P.kc.outliers) outlier_fix_k(P.kc, ks, nt, M, D, Q, S, ikp, ksidx);
+    kstream.flush();
     softmax_tile(S, M, nt, lo, hi, mrow, lrow, acc, D, P.softcap_log2);
     int nvc = 0;
     for (int k = 0; k < ns; ++k)
@@ -1783,6 +1850,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
       with_kind(P.vc, false, [&](auto k) { decode_tile_kind(k, vs, nt, D, KV); });
       pv_tile(S, M, KV, lo, hi, D, acc);
     }
+    vstream.flush();
   }
 
   if (vfp8 && !vtok) {
