@@ -1500,13 +1500,13 @@ static void pv_tile(const float* P, int M, const float* V, const int* lo, const 
 }
 
 
-// Every line of the next tile (planes are in random order, so the hardware prefetcher only
-// finds a stream after its first misses). With 128-token tiles (one block) and the pages in
-// DRAM, as a served model's are (every layer's cache), this keeps the loads in flight: Zen 4,
-// 2 threads, 16 x 32k decodes 9/3/64: bf16 24.3 -> 18.1 ms, int4_group32 18.9 -> 13.5,
-// kivi2 15.3 -> 10.4; 32/8/128 10-25% faster. Pages already in cache (one layer's small
-// cache timed alone) pay ~5% for it (4k, batch 4). Issued a share per kernel step
-// (RowStream), not as one burst at the tile's start.
+// Every line of the next tile is asked for (planes are in random order, and on the Zen 4
+// VM the hardware prefetcher fetched almost nothing of them: prefetching every 2nd line was
+// 1.8x slower than every line). With the pages in DRAM, as a served model's are (every
+// layer's cache), this keeps the loads in flight. As one burst per tile it gave (2 threads,
+// 16 x 32k, 9/3/64) bf16 24.3 -> 18.1 ms, int4_group32 18.9 -> 13.5; issued a share per
+// kernel step (RowStream) instead, 4 x 32k, 32/8/128: bf16 21.3 -> 14.0, int4_group32
+// 15.7 -> 7.1 ms, with no cost where the pages are in cache (512 tokens: 0.99-1.07).
 // Rows [off, off+cnt) of a region: scales and zero-points (separate streams of the plane:
 // without them their first touch stalls the tile's preparation), outlier slots, codes.
 static inline void stream_rows(const kvq::Codec& c, const kvq::Region& r, const uint8_t* plane,
