@@ -124,6 +124,10 @@ struct RowStream {
   }
 };
 
+// A tile spans at most TT/16 + 2 blocks (block_size >= 16), 4 ranges each (scales, zeros,
+// slots, codes): the stream never needs its overflow path.
+static_assert(4 * (TT / 16 + 2) <= RowStream::kMaxRanges, "a tile's ranges fit a RowStream");
+
 struct TileSrc {
   RowStream* next = nullptr;  // the next tile's lines of this side, or none
   const uint8_t* row[TT];  // codes of token t (int3 keys on the integer Q.K without qk3:
