@@ -86,11 +86,7 @@ struct RowStream {
   void clear() { nr = r = 0; left = 0; credit = 0; cur = nullptr; }
   void add(const uint8_t* p, int64_t bytes) {
     if (bytes <= 0) return;
-    if (nr == kMaxRanges) {  // (not reached by the tiles we build; no line is lost)
-      for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(p + i);
-      return;
-    }
-    beg[nr] = p;
+    beg[nr] = p;  // nr < kMaxRanges: see the static_assert below
     end[nr] = p + bytes;
     if (nr++ == 0) cur = p;
     left += (bytes + 63) / 64;
