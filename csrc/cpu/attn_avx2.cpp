@@ -331,6 +331,40 @@ static inline VF ci_f16lo(VI a) {
   return _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(w, 0x08)));
 }
 static inline void ci_store(int32_t* p, VI a) { _mm256_storeu_si256((__m256i*)p, a); }
+// Four rows of W floats <-> W quads: out[4t + k] = r[k][t] (see the AVX-512 path): a 4x4
+// transpose inside each 128-bit lane, then the lanes regrouped.
+static inline void vtr4_store(const VF r[4], float* out) {
+  const VF a = _mm256_unpacklo_ps(r[0], r[1]), b = _mm256_unpackhi_ps(r[0], r[1]);
+  const VF c = _mm256_unpacklo_ps(r[2], r[3]), d = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256d ad = _mm256_castps_pd(a), bd = _mm256_castps_pd(b), cd = _mm256_castps_pd(c),
+                dd = _mm256_castps_pd(d);
+  const VF t0 = _mm256_castpd_ps(_mm256_unpacklo_pd(ad, cd));  // tokens 0 | 4
+  const VF t1 = _mm256_castpd_ps(_mm256_unpackhi_pd(ad, cd));  // 1 | 5
+  const VF t2 = _mm256_castpd_ps(_mm256_unpacklo_pd(bd, dd));  // 2 | 6
+  const VF t3 = _mm256_castpd_ps(_mm256_unpackhi_pd(bd, dd));  // 3 | 7
+  _mm256_storeu_ps(out, _mm256_permute2f128_ps(t0, t1, 0x20));
+  _mm256_storeu_ps(out + 8, _mm256_permute2f128_ps(t2, t3, 0x20));
+  _mm256_storeu_ps(out + 16, _mm256_permute2f128_ps(t0, t1, 0x31));
+  _mm256_storeu_ps(out + 24, _mm256_permute2f128_ps(t2, t3, 0x31));
+}
+static inline void vtr4_load(const float* in, VF r[4]) {  // the inverse of vtr4_store
+  const VF o0 = _mm256_loadu_ps(in), o1 = _mm256_loadu_ps(in + 8);
+  const VF o2 = _mm256_loadu_ps(in + 16), o3 = _mm256_loadu_ps(in + 24);
+  const VF t0 = _mm256_permute2f128_ps(o0, o2, 0x20), t1 = _mm256_permute2f128_ps(o0, o2, 0x31);
+  const VF t2 = _mm256_permute2f128_ps(o1, o3, 0x20), t3 = _mm256_permute2f128_ps(o1, o3, 0x31);
+  const VF a = _mm256_unpacklo_ps(t0, t1), b = _mm256_unpackhi_ps(t0, t1);
+  const VF c = _mm256_unpacklo_ps(t2, t3), d = _mm256_unpackhi_ps(t2, t3);
+  const __m256d ad = _mm256_castps_pd(a), bd = _mm256_castps_pd(b), cd = _mm256_castps_pd(c),
+                dd = _mm256_castps_pd(d);
+  r[0] = _mm256_castpd_ps(_mm256_unpacklo_pd(ad, cd));
+  r[1] = _mm256_castpd_ps(_mm256_unpackhi_pd(ad, cd));
+  r[2] = _mm256_castpd_ps(_mm256_unpacklo_pd(bd, dd));
+  r[3] = _mm256_castpd_ps(_mm256_unpackhi_pd(bd, dd));
+}
+// dst[0..4) += src[0..4)
+static inline void vadd4(float* dst, const float* src) {
+  _mm_storeu_ps(dst, _mm_add_ps(_mm_loadu_ps(dst), _mm_loadu_ps(src)));
+}
 
 // No qk_int3 on this path (AttnParams::qk3 is 0): int3 rows are repacked to 4 bits,
 // nuq3 keys stay on the fp32 Q.K.

@@ -346,6 +346,45 @@ static inline VI ci_tab(const int32_t* tab, int n, VI idx, VM m) {
 // the fp16 in the low half of each lane -> float
 static inline VF ci_f16lo(VI a) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(a)); }
 static inline void ci_store(int32_t* p, VI a) { _mm512_storeu_si512((void*)p, a); }
+// Four rows of W floats <-> W quads: out[4t + k] = r[k][t] (the outlier slots' V
+// corrections, accumulated per channel as quads of rows): a 4x4 transpose inside each
+// 128-bit lane (token 4j+k's quad lands in lane j of vector k), then of the 128-bit blocks.
+static inline void vtr4_store(const VF r[4], float* out) {
+  const VF a = _mm512_unpacklo_ps(r[0], r[1]), b = _mm512_unpackhi_ps(r[0], r[1]);
+  const VF c = _mm512_unpacklo_ps(r[2], r[3]), d = _mm512_unpackhi_ps(r[2], r[3]);
+  const __m512d ad = _mm512_castps_pd(a), bd = _mm512_castps_pd(b), cd = _mm512_castps_pd(c),
+                dd = _mm512_castps_pd(d);
+  const VF t0 = _mm512_castpd_ps(_mm512_unpacklo_pd(ad, cd));
+  const VF t1 = _mm512_castpd_ps(_mm512_unpackhi_pd(ad, cd));
+  const VF t2 = _mm512_castpd_ps(_mm512_unpacklo_pd(bd, dd));
+  const VF t3 = _mm512_castpd_ps(_mm512_unpackhi_pd(bd, dd));
+  const VF u0 = _mm512_shuffle_f32x4(t0, t1, 0x44), u1 = _mm512_shuffle_f32x4(t0, t1, 0xEE);
+  const VF u2 = _mm512_shuffle_f32x4(t2, t3, 0x44), u3 = _mm512_shuffle_f32x4(t2, t3, 0xEE);
+  _mm512_storeu_ps(out, _mm512_shuffle_f32x4(u0, u2, 0x88));
+  _mm512_storeu_ps(out + 16, _mm512_shuffle_f32x4(u0, u2, 0xDD));
+  _mm512_storeu_ps(out + 32, _mm512_shuffle_f32x4(u1, u3, 0x88));
+  _mm512_storeu_ps(out + 48, _mm512_shuffle_f32x4(u1, u3, 0xDD));
+}
+static inline void vtr4_load(const float* in, VF r[4]) {  // the inverse of vtr4_store
+  const VF o0 = _mm512_loadu_ps(in), o1 = _mm512_loadu_ps(in + 16);
+  const VF o2 = _mm512_loadu_ps(in + 32), o3 = _mm512_loadu_ps(in + 48);
+  const VF u0 = _mm512_shuffle_f32x4(o0, o1, 0x44), u1 = _mm512_shuffle_f32x4(o0, o1, 0xEE);
+  const VF u2 = _mm512_shuffle_f32x4(o2, o3, 0x44), u3 = _mm512_shuffle_f32x4(o2, o3, 0xEE);
+  const VF t0 = _mm512_shuffle_f32x4(u0, u2, 0x88), t1 = _mm512_shuffle_f32x4(u0, u2, 0xDD);
+  const VF t2 = _mm512_shuffle_f32x4(u1, u3, 0x88), t3 = _mm512_shuffle_f32x4(u1, u3, 0xDD);
+  const VF a = _mm512_unpacklo_ps(t0, t1), b = _mm512_unpackhi_ps(t0, t1);
+  const VF c = _mm512_unpacklo_ps(t2, t3), d = _mm512_unpackhi_ps(t2, t3);
+  const __m512d ad = _mm512_castps_pd(a), bd = _mm512_castps_pd(b), cd = _mm512_castps_pd(c),
+                dd = _mm512_castps_pd(d);
+  r[0] = _mm512_castpd_ps(_mm512_unpacklo_pd(ad, cd));
+  r[1] = _mm512_castpd_ps(_mm512_unpackhi_pd(ad, cd));
+  r[2] = _mm512_castpd_ps(_mm512_unpacklo_pd(bd, dd));
+  r[3] = _mm512_castpd_ps(_mm512_unpackhi_pd(bd, dd));
+}
+// dst[0..4) += src[0..4)
+static inline void vadd4(float* dst, const float* src) {
+  _mm_storeu_ps(dst, _mm_add_ps(_mm_loadu_ps(dst), _mm_loadu_ps(src)));
+}
 
 // A 16-byte table in every 128-bit lane: ci_lut16's operand.
 static inline VI ci_tab16(const uint8_t* t) {

@@ -10,7 +10,9 @@
 //   for the integer Q.K: VI (W int32 lanes), ci_zero, ci_add, ci_dot<SMALL>, ci_tof,
 //   ci_bcast4, ci_field<SH>, ci_tr8 (W rows' 4-byte words transposed), vq8_store;
 //   KVQ_HAS_QK3 (1: also ci_units3, ci_tab3, ci_fields3 and the KVQ_QK3_TARGET attribute,
-//   for qk_int3: 3-bit codes read as stored).
+//   for qk_int3: 3-bit codes read as stored);
+//   for the outlier slots: VM, ci_* gathers and masks, vlut16, vtab, vtr4_store / vtr4_load
+//   (4 rows <-> W quads), vadd4.
 //
 // Algorithm (per task = one sequence, one kv head, a tile of query tokens, a range of key
 // positions): the Q rows (all gq query heads of each query token, pre-scaled by
@@ -827,23 +829,35 @@ static void outlier_fix_k(const kvq::Codec& c, const TileSrc& ts, int nt, int M,
               }
             });
 }
-// V: acc[m][ch] += P[m][t] * delta for every slot of tokens [a, b).
+// V: acc[m][ch] += P[m][t] * delta for every slot of tokens [a, b). The W products of a
+// run are added as quads of rows (4 rows of one token, vtr4_store) into per-channel quads
+// work[g][k][ch][4] (row group g = m / 4, k = token parity: two tokens hitting one channel
+// chain only every other token), merged into acc at the end: one 4-float add per token
+// and row group instead of one scalar read-modify-write per token and row.
+// work: 8 * ceil(M / 4) * D floats (M <= 16: at most TT * D, the tile's decode scratch).
+constexpr int kVFixParity = 2;
+static_assert((W + 3) / 4 * kVFixParity * 4 <= TT, "outlier_fix_v's work fits a tile's rows");
 static void outlier_fix_v(const kvq::Codec& c, const TileSrc& ts, int a, int b, int M, int D,
-                          const float* P, float* acc) {
+                          const float* P, float* acc, float* work) {
+  const int G = (M + 3) / 4;
+  const int64_t gs = (int64_t)kVFixParity * 4 * D;  // floats per row group
+  for (int64_t x = 0; x < G * gs; ++x) work[x] = 0.0f;
   for_slots(c, ts, a, b, D, nullptr, nullptr,
             [&](int t0, VI ch, VM ok, VF delta) {
-              // masked-off lanes add 0 to channel 0 (P there may be anything); the rows are
-              // interleaved so that lanes sharing a channel chain only within a row
+              // masked-off lanes add 0 to channel 0 (P there may be anything)
               int32_t chs[W];
               ci_store(chs, ch);
-              for (int m0 = 0; m0 < M; m0 += 4) {
-                const int mr = imin(4, M - m0);
-                float pd[4][W];
-                for (int r = 0; r < mr; ++r)
-                  vstore(pd[r], vsel0(ok, vmul(vload(P + (m0 + r) * SL + t0), delta)));
-                float* ac = acc + (int64_t)m0 * D;
+              for (int g = 0; g < G; ++g) {
+                VF pd[4];
+                for (int r = 0; r < 4; ++r) {
+                  const int m = 4 * g + r;
+                  pd[r] = m < M ? vsel0(ok, vmul(vload(P + m * SL + t0), delta)) : vzero();
+                }
+                float q[4 * W];
+                vtr4_store(pd, q);
+                float* wg = work + g * gs;
                 for (int i = 0; i < W; ++i)
-                  for (int r = 0; r < mr; ++r) ac[(int64_t)r * D + chs[i]] += pd[r][i];
+                  vadd4(wg + (i % kVFixParity) * 4 * D + 4 * chs[i], q + 4 * i);
               }
             },
             [&](const OutlierBatch& ob, int n) {
@@ -853,6 +867,20 @@ static void outlier_fix_v(const kvq::Codec& c, const TileSrc& ts, int a, int b, 
                 for (int i = 0; i < n; ++i) ac[ob.ch[i]] += p[ob.t[i]] * ob.delta[i];
               }
             });
+  for (int g = 0; g < G; ++g)
+    for (int d = 0; d < D; d += W) {
+      VF sum[4];
+      vtr4_load(work + g * gs + 4 * d, sum);
+      for (int k = 1; k < kVFixParity; ++k) {
+        VF x[4];
+        vtr4_load(work + g * gs + k * 4 * D + 4 * d, x);
+        for (int r = 0; r < 4; ++r) sum[r] = vadd(sum[r], x[r]);
+      }
+      for (int r = 0; r < 4 && 4 * g + r < M; ++r) {
+        float* ar = acc + (int64_t)(4 * g + r) * D + d;
+        vstore(ar, vadd(vload(ar), sum[r]));
+      }
+    }
 }
 
 // ---- integer Q.K ---------------------------------------------------------------------------
@@ -1845,7 +1873,8 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
         with_kind(P.vc, vperm,
                   [&](auto k) { pv_fused_kind(k, MBp, S, vs, a, b, D, acc); }, true);
       }
-      if (P.vc.outliers && lo[0] < hi[0]) outlier_fix_v(P.vc, vs, lo[0], hi[0], M, D, S, acc);
+      if (P.vc.outliers && lo[0] < hi[0])  // KV: the scratch path's rows, free here
+        outlier_fix_v(P.vc, vs, lo[0], hi[0], M, D, S, acc, KV);
     } else {
       with_kind(P.vc, false, [&](auto k) { decode_tile_kind(k, vs, nt, D, KV); });
       pv_tile(S, M, KV, lo, hi, D, acc);

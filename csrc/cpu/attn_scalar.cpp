@@ -295,6 +295,18 @@ static inline VF ci_f16lo(VI a) {
   return r;
 }
 static inline void ci_store(int32_t* p, VI a) { memcpy(p, a.i, sizeof(a.i)); }
+// Four rows of W floats <-> W quads: out[4t + k] = r[k][t].
+static inline void vtr4_store(const VF r[4], float* out) {
+  for (int t = 0; t < W; ++t)
+    for (int k = 0; k < 4; ++k) out[4 * t + k] = r[k].v[t];
+}
+static inline void vtr4_load(const float* in, VF r[4]) {
+  for (int t = 0; t < W; ++t)
+    for (int k = 0; k < 4; ++k) r[k].v[t] = in[4 * t + k];
+}
+static inline void vadd4(float* dst, const float* src) {
+  for (int k = 0; k < 4; ++k) dst[k] += src[k];
+}
 
 static inline VI ci_tab16(const uint8_t* t) {
   VI r;
