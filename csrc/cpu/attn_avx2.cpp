@@ -127,11 +127,10 @@ static inline void ld_u2x2(const uint8_t* p, VF& a, VF& b) {
   memcpy(&w, p, 4);
   const __m128i x = _mm_cvtsi32_si128(w);
   const __m256i v = _mm256_cvtepu8_epi32(_mm_unpacklo_epi32(x, x));
-  const __m256i m = _mm256_set1_epi32(3);
-  a = _mm256_cvtepi32_ps(_mm256_and_si256(
-      _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)), m));
-  b = _mm256_cvtepi32_ps(_mm256_and_si256(
-      _mm256_srlv_epi32(v, _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6)), m));
+  // through a table of i & 3 (vpermps reads the low 3 bits; the pair above is masked there)
+  const __m256 codes = _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3);
+  a = _mm256_permutevar8x32_ps(codes, _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)));
+  b = _mm256_permutevar8x32_ps(codes, _mm256_srlv_epi32(v, _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6)));
 }
 // e4m3 byte s.eeee.mmm -> fp16 s.0eeee.mmm0000000 = value * 2^-8, subnormals included:
 // put the byte in the high half of a 16-bit lane, shift right by one (arithmetic: the sign
