@@ -121,16 +121,19 @@ static inline void ld_u4x2(const uint8_t* p, VF& a, VF& b) {
   b = _mm256_cvtepi32_ps(_mm256_srli_epi32(x, 4));
 }
 // Two chunks from W/2 bytes of int2: lanes [0, W/2) take byte i, lanes [W/2, W) byte i - W/2;
-// a = bit pairs 0 | 1, b = bit pairs 2 | 3.
-static inline void ld_u2x2(const uint8_t* p, VF& a, VF& b) {
+// a = bit pairs 0 | 1, b = bit pairs 2 | 3; through tab (8 entries, entry i that of i & 3:
+// vpermps reads the low 3 bits, the pair above a code lands in bit 2): int2 the codes
+// themselves, nuq2 its levels.
+static inline void ld_x2x2(const uint8_t* p, __m256 tab, VF& a, VF& b) {
   int32_t w;
   memcpy(&w, p, 4);
   const __m128i x = _mm_cvtsi32_si128(w);
   const __m256i v = _mm256_cvtepu8_epi32(_mm_unpacklo_epi32(x, x));
-  // through a table of i & 3 (vpermps reads the low 3 bits; the pair above is masked there)
-  const __m256 codes = _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3);
-  a = _mm256_permutevar8x32_ps(codes, _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)));
-  b = _mm256_permutevar8x32_ps(codes, _mm256_srlv_epi32(v, _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6)));
+  a = _mm256_permutevar8x32_ps(tab, _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)));
+  b = _mm256_permutevar8x32_ps(tab, _mm256_srlv_epi32(v, _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6)));
+}
+static inline void ld_u2x2(const uint8_t* p, VF& a, VF& b) {
+  ld_x2x2(p, _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3), a, b);
 }
 // e4m3 byte s.eeee.mmm -> fp16 s.0eeee.mmm0000000 = value * 2^-8, subnormals included:
 // put the byte in the high half of a 16-bit lane, shift right by one (arithmetic: the sign
@@ -318,6 +321,16 @@ static inline VF vlut16(VI idx, const float* tab) {
   const VF lo = _mm256_permutevar8x32_ps(_mm256_loadu_ps(tab), idx);
   const VF hi = _mm256_permutevar8x32_ps(_mm256_loadu_ps(tab + 8), idx);
   return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
+}
+// nuq: two chunks of 4-bit codes (a = low nibbles, b = high; see ld_u4x2) / 2-bit codes
+// (see ld_u2x2) through the codebook table tab (16 floats, tab[i] = level[i mod 2^bits]).
+static inline void ld_t4x2(const uint8_t* p, const float* tab, VF& a, VF& b) {
+  const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)p));
+  a = vlut16(x, tab);
+  b = vlut16(_mm256_srli_epi32(x, 4), tab);
+}
+static inline void ld_t2x2(const uint8_t* p, const float* tab, VF& a, VF& b) {
+  ld_x2x2(p, _mm256_loadu_ps(tab), a, b);
 }
 // lane l = tab[idx[l]] for idx < n (a gather); masked-off lanes are 0.
 static inline VF vtab(const float* tab, int, VI idx, VM m) { return vgather_idx(tab, idx, m); }

@@ -106,26 +106,37 @@ static inline VF ld_u2(const uint8_t* p) {
   const __m512i sh = _mm512_setr_epi32(0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6, 0, 2, 4, 6);
   return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(v, sh), _mm512_set1_epi32(3)));
 }
-// Two chunks from W bytes of int4: a = low nibbles (even channels), b = high (odd). Codes
-// become floats through a 16-entry table (vpermps reads an index's low 4 bits, so the high
-// nibble needs no mask): one op per chunk instead of a mask and a conversion.
-static inline void ld_u4x2(const uint8_t* p, VF& a, VF& b) {
-  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+// Two chunks from W bytes of 4-bit codes: a = low nibbles (even channels), b = high (odd),
+// each through the 16-entry table tab (vpermps reads an index's low 4 bits, so the high
+// nibble needs no mask): one op per chunk. int4: the codes themselves; nuq4: its levels.
+static inline void ld_x4x2(const uint8_t* p, __m512 tab, VF& a, VF& b) {
   const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)p));
-  a = _mm512_permutexvar_ps(x, codes);
-  b = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), codes);
+  a = _mm512_permutexvar_ps(x, tab);
+  b = _mm512_permutexvar_ps(_mm512_srli_epi32(x, 4), tab);
 }
-// Two chunks from W/2 bytes of int2: lanes [0, W/2) take byte i, lanes [W/2, W) byte i - W/2;
-// a = bit pairs 0 | 1, b = bit pairs 2 | 3.
-static inline void ld_u2x2(const uint8_t* p, VF& a, VF& b) {
+// Two chunks from W/2 bytes of 2-bit codes: lanes [0, W/2) take byte i, lanes [W/2, W) byte
+// i - W/2; a = bit pairs 0 | 1, b = bit pairs 2 | 3; through tab, whose entry i is that of
+// i & 3 (the pair above a code lands in index bits 2-3).
+static inline void ld_x2x2(const uint8_t* p, __m512 tab, VF& a, VF& b) {
   const __m128i x = _mm_loadl_epi64((const __m128i*)p);
   const __m512i v = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(x, x));
-  // through a table of i & 3 (vpermps reads the low 4 bits; the pair above is masked there)
-  const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3);
   a = _mm512_permutexvar_ps(
-      _mm512_srlv_epi32(v, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2)), codes);
+      _mm512_srlv_epi32(v, _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2)), tab);
   b = _mm512_permutexvar_ps(
-      _mm512_srlv_epi32(v, _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6)), codes);
+      _mm512_srlv_epi32(v, _mm512_setr_epi32(4, 4, 4, 4, 4, 4, 4, 4, 6, 6, 6, 6, 6, 6, 6, 6)), tab);
+}
+static inline void ld_u4x2(const uint8_t* p, VF& a, VF& b) {
+  ld_x4x2(p, _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), a, b);
+}
+static inline void ld_u2x2(const uint8_t* p, VF& a, VF& b) {
+  ld_x2x2(p, _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3), a, b);
+}
+// nuq: tab holds 16 floats, tab[i] = level[i mod 2^bits] (set_levels)
+static inline void ld_t4x2(const uint8_t* p, const float* tab, VF& a, VF& b) {
+  ld_x4x2(p, _mm512_loadu_ps(tab), a, b);
+}
+static inline void ld_t2x2(const uint8_t* p, const float* tab, VF& a, VF& b) {
+  ld_x2x2(p, _mm512_loadu_ps(tab), a, b);
 }
 // W floats -> bf16, round to nearest even, NaN -> 0x7FC0 (torch's cast).
 static inline void st_bf16(uint16_t* p, VF x) {

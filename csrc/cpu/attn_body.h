@@ -533,17 +533,25 @@ static void prep_segment(const kvq::Codec& c, const kvq::Region& r, const uint8_
   }
 }
 
-// Calls f(KT<kind, vec, perm>{}) for the codec; perm only applies to int4/int2. dense: the
+// Calls f(KT<kind, vec, perm>{}) for the codec; perm only applies to 4/2-bit int and nuq
+// codes (can_perm). dense: the
 // fused path (nuq / outlier codecs not predecoded).
 template <class F>
 static inline void with_kind(const kvq::Codec& c, bool perm, F&& f, bool dense = false) {
   const bool vec = c.granularity == kvq::GRAN_CHANNEL;
   if (predecoded(c) && !dense) { f(KT<K_F32, false, false>{}); return; }
+#define KVQ_VP(K)                                          \
+  if (vec) {                                               \
+    if (perm) f(KT<K, true, true>{}); else f(KT<K, true, false>{});   \
+  } else {                                                 \
+    if (perm) f(KT<K, false, true>{}); else f(KT<K, false, false>{}); \
+  }                                                        \
+  return;
   if (c.encoding == kvq::ENC_NUQ) {
     switch (c.bits) {
-      case 4: if (vec) f(KT<K_N4, true, false>{}); else f(KT<K_N4, false, false>{}); return;
+      case 4: KVQ_VP(K_N4)
       case 3: if (vec) f(KT<K_N3, true, false>{}); else f(KT<K_N3, false, false>{}); return;
-      default: if (vec) f(KT<K_N2, true, false>{}); else f(KT<K_N2, false, false>{}); return;
+      default: KVQ_VP(K_N2)
     }
   }
   switch (c.encoding) {
@@ -553,13 +561,6 @@ static inline void with_kind(const kvq::Codec& c, bool perm, F&& f, bool dense =
     case kvq::ENC_FP8_E5M2: f(KT<K_E5M2, false, false>{}); return;
     default: break;
   }
-#define KVQ_VP(K)                                          \
-  if (vec) {                                               \
-    if (perm) f(KT<K, true, true>{}); else f(KT<K, true, false>{});   \
-  } else {                                                 \
-    if (perm) f(KT<K, false, true>{}); else f(KT<K, false, false>{}); \
-  }                                                        \
-  return;
   switch (c.bits) {
     case 4: KVQ_VP(K_U4)
     case 2: KVQ_VP(K_U2)
@@ -580,11 +581,26 @@ static inline int perm_chan(int kind, int p) {
   if (kind == K_U4) return 2 * W * sc + 2 * i + k;
   return 2 * W * sc + 4 * (i % (W / 2)) + 2 * k + (i >= W / 2 ? 1 : 0);
 }
-// Whether a codec can use the permuted decode with this head size.
-static inline bool can_perm(const kvq::Codec& c, int D) {
-  if (c.encoding != kvq::ENC_INT || (c.bits != 4 && c.bits != 2) || c.outliers) return false;
+// Whether a codec can use the permuted decode with this head size: int 4/2 bits; on the
+// value side also nuq 4/2 bits (codes through the codebook table, ld_t4x2 / ld_t2x2) and
+// outlier slots (outlier_fix_v adds them at their channel's position).
+static inline bool can_perm(const kvq::Codec& c, int D, bool value_side = false) {
+  const bool nuq = c.encoding == kvq::ENC_NUQ;
+  if ((c.encoding != kvq::ENC_INT && !(value_side && nuq)) || (c.bits != 4 && c.bits != 2) ||
+      (c.outliers && !value_side))
+    return false;
   if (D % (2 * W)) return false;
   return c.granularity != kvq::GRAN_GROUP || c.group % (2 * W) == 0;
+}
+
+// Permuted decode step u of token t without scale and zero: the two chunks of 2W channels
+// (can_perm's codecs: int codes, nuq levels).
+template <int KIND>
+static inline void decode_pair(const TileSrc& ts, int t, int u, VF& a, VF& b) {
+  if (KIND == K_U4) ld_u4x2(ts.row[t] + u * W, a, b);
+  else if (KIND == K_U2) ld_u2x2(ts.row[t] + u * (W / 2), a, b);
+  else if (KIND == K_N4) ld_t4x2(ts.row[t] + u * W, ts.lev, a, b);
+  else ld_t2x2(ts.row[t] + u * (W / 2), ts.lev, a, b);
 }
 
 // Decode step u of token t: chunk u (NV = 1) or, permuted, chunks 2u and 2u+1 (NV = 2).
@@ -598,8 +614,7 @@ static inline void decode_step(const TileSrc& ts, int t, int u, VF* out) {
     out[0] = decode<KIND, VEC>(ts, t, u);
   } else {
     VF a, b;
-    if (KIND == K_U4) ld_u4x2(ts.row[t] + u * W, a, b);
-    else ld_u2x2(ts.row[t] + u * (W / 2), a, b);
+    decode_pair<KIND>(ts, t, u, a, b);
     if (VEC) {
       const float* sp = ts.sv[t] + u * 2 * W;
       const float* zp = ts.zv[t] + u * 2 * W;
@@ -835,18 +850,22 @@ static void outlier_fix_k(const kvq::Codec& c, const TileSrc& ts, int nt, int M,
 // chain only every other token), merged into acc at the end: one 4-float add per token
 // and row group instead of one scalar read-modify-write per token and row.
 // work: 8 * ceil(M / 4) * D floats (M <= 16: at most TT * D, the tile's decode scratch).
+// pos: acc's position of each channel when the fused path decodes V permuted
+// (perm_inv_table), nullptr: channel order.
 constexpr int kVFixParity = 2;
 static_assert((W + 3) / 4 * kVFixParity * 4 <= TT, "outlier_fix_v's work fits a tile's rows");
 static void outlier_fix_v(const kvq::Codec& c, const TileSrc& ts, int a, int b, int M, int D,
-                          const float* P, float* acc, float* work) {
+                          const float* P, float* acc, float* work, const int32_t* pos) {
   const int G = (M + 3) / 4;
   const int64_t gs = (int64_t)kVFixParity * 4 * D;  // floats per row group
   for (int64_t x = 0; x < G * gs; ++x) work[x] = 0.0f;
-  for_slots(c, ts, a, b, D, nullptr, nullptr,
+  // per-channel scale rows are in acc's order too (prep_segment's perm_kind)
+  const int32_t* sidx = c.granularity == kvq::GRAN_CHANNEL ? pos : nullptr;
+  for_slots(c, ts, a, b, D, nullptr, sidx,
             [&](int t0, VI ch, VM ok, VF delta) {
               // masked-off lanes add 0 to channel 0 (P there may be anything)
               int32_t chs[W];
-              ci_store(chs, ch);
+              ci_store(chs, pos ? ci_tab(pos, D, ch, ok) : ch);
               for (int g = 0; g < G; ++g) {
                 VF pd[4];
                 for (int r = 0; r < 4; ++r) {
@@ -864,7 +883,8 @@ static void outlier_fix_v(const kvq::Codec& c, const TileSrc& ts, int a, int b, 
               for (int m = 0; m < M; ++m) {
                 const float* p = P + m * SL;
                 float* ac = acc + (int64_t)m * D;
-                for (int i = 0; i < n; ++i) ac[ob.ch[i]] += p[ob.t[i]] * ob.delta[i];
+                for (int i = 0; i < n; ++i)
+                  ac[pos ? pos[ob.ch[i]] : ob.ch[i]] += p[ob.t[i]] * ob.delta[i];
               }
             });
   for (int g = 0; g < G; ++g)
@@ -1216,8 +1236,7 @@ static void qk_fused(const float* Q, const TileSrc& ts, int nt, int D, float* S)
 template <int KIND, bool PERM>
 static inline void decode_raw(const TileSrc& ts, int t, int u, VF* out) {
   if (PERM) {
-    if (KIND == K_U4) ld_u4x2(ts.row[t] + u * W, out[0], out[1]);
-    else ld_u2x2(ts.row[t] + u * (W / 2), out[0], out[1]);
+    decode_pair<KIND>(ts, t, u, out[0], out[1]);
   } else {
     out[0] = decode_codes<KIND>(ts.row[t], u, ts.lev);
   }
@@ -1574,7 +1593,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   const bool fused = T.nq == 1 && M <= W;
   const int MBq = fused ? fused_rows(M) : 0;
   const int MBp = fused ? (M <= 4 ? M : fused_rows(M)) : 0;
-  const bool vperm = fused && can_perm(P.vc, D);
+  const bool vperm = fused && can_perm(P.vc, D, true);
   const int vpk = vperm ? (P.vc.bits == 4 ? K_U4 : K_U2) : -1;
   // integer Q.K (below)
   bool iqk = fused && T.decode && P.int_qk && int_qk_ok(P.kc, D, P.qk3);
@@ -1874,7 +1893,8 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
                   [&](auto k) { pv_fused_kind(k, MBp, S, vs, a, b, D, acc); }, true);
       }
       if (P.vc.outliers && lo[0] < hi[0])  // KV: the scratch path's rows, free here
-        outlier_fix_v(P.vc, vs, lo[0], hi[0], M, D, S, acc, KV);
+        outlier_fix_v(P.vc, vs, lo[0], hi[0], M, D, S, acc, KV,
+                      vperm ? perm_inv_table(vpk) : nullptr);
     } else {
       with_kind(P.vc, false, [&](auto k) { decode_tile_kind(k, vs, nt, D, KV); });
       pv_tile(S, M, KV, lo, hi, D, acc);

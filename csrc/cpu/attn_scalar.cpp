@@ -124,6 +124,20 @@ static inline void ld_u2x2(const uint8_t* p, VF& a, VF& b) {
     b.v[i] = (float)((byte >> (4 + hi)) & 3);
   }
 }
+// nuq: ld_u4x2 / ld_u2x2's lane orders through the codebook table (tab[i] = level[i mod 2^b])
+static inline void ld_t4x2(const uint8_t* p, const float* tab, VF& a, VF& b) {
+  for (int i = 0; i < W; ++i) {
+    a.v[i] = tab[p[i] & 15];
+    b.v[i] = tab[p[i] >> 4];
+  }
+}
+static inline void ld_t2x2(const uint8_t* p, const float* tab, VF& a, VF& b) {
+  for (int i = 0; i < W; ++i) {
+    const int byte = p[i % (W / 2)], hi = i >= W / 2 ? 2 : 0;
+    a.v[i] = tab[(byte >> hi) & 3];
+    b.v[i] = tab[(byte >> (4 + hi)) & 3];
+  }
+}
 static inline VF ld_e4m3(const uint8_t* p) {  // value * 2^-8, like the SIMD paths
   VF r;
   for (int i = 0; i < W; ++i) r.v[i] = kvq::fp8_to_float(p[i], kvq::ENC_FP8_E4M3) * 0.00390625f;
