@@ -4,7 +4,8 @@ Every method runs in its own engine process (the same model, prompts and budget)
 prompts are prefilled (timed: prefill, best of --repeats cold prefills: the prefix cache is
 reset between them), then served again from the prefix cache with N new tokens (timed:
 decode, minus the time of the same cached request with 1 token), best of --repeats. Wall
-time and the process's CPU time (the steadier on a shared VM) are both reported. Ratios are to vLLM's own CPU backend ("vllm") from the same run.
+time and the process's CPU time are both reported. Ratios are to vLLM's own CPU backend
+("vllm") from the same run.
 
   python benchmarks/bench_e2e_decode.py [--methods vllm,bf16,int4_group32,kivi2]
       [--seqs 4] [--prompt-len 4096] [--new-tokens 32] [--dtype bfloat16] [--profile kivi2]

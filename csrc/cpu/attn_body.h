@@ -534,8 +534,7 @@ static void prep_segment(const kvq::Codec& c, const kvq::Region& r, const uint8_
 }
 
 // Calls f(KT<kind, vec, perm>{}) for the codec; perm only applies to 4/2-bit int and nuq
-// codes (can_perm). dense: the
-// fused path (nuq / outlier codecs not predecoded).
+// codes (can_perm). dense: the fused path (nuq / outlier codecs not predecoded).
 template <class F>
 static inline void with_kind(const kvq::Codec& c, bool perm, F&& f, bool dense = false) {
   const bool vec = c.granularity == kvq::GRAN_CHANNEL;

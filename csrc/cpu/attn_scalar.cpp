@@ -111,20 +111,8 @@ static inline VF ld_u2(const uint8_t* p) {
   for (int i = 0; i < W; ++i) r.v[i] = (float)((p[i >> 2] >> ((i & 3) * 2)) & 3);
   return r;
 }
-static inline void ld_u4x2(const uint8_t* p, VF& a, VF& b) {
-  for (int i = 0; i < W; ++i) {
-    a.v[i] = (float)(p[i] & 15);
-    b.v[i] = (float)(p[i] >> 4);
-  }
-}
-static inline void ld_u2x2(const uint8_t* p, VF& a, VF& b) {
-  for (int i = 0; i < W; ++i) {
-    const int byte = p[i % (W / 2)], hi = i >= W / 2 ? 2 : 0;
-    a.v[i] = (float)((byte >> hi) & 3);
-    b.v[i] = (float)((byte >> (4 + hi)) & 3);
-  }
-}
-// nuq: ld_u4x2 / ld_u2x2's lane orders through the codebook table (tab[i] = level[i mod 2^b])
+// Two chunks of 4-bit / 2-bit codes in the permuted lane order (see the AVX-512 path)
+// through a table (tab[i] = level[i mod 2^b]): nuq's codebook, or the codes themselves.
 static inline void ld_t4x2(const uint8_t* p, const float* tab, VF& a, VF& b) {
   for (int i = 0; i < W; ++i) {
     a.v[i] = tab[p[i] & 15];
@@ -138,6 +126,9 @@ static inline void ld_t2x2(const uint8_t* p, const float* tab, VF& a, VF& b) {
     b.v[i] = tab[(byte >> (4 + hi)) & 3];
   }
 }
+static const float kCodes[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+static inline void ld_u4x2(const uint8_t* p, VF& a, VF& b) { ld_t4x2(p, kCodes, a, b); }
+static inline void ld_u2x2(const uint8_t* p, VF& a, VF& b) { ld_t2x2(p, kCodes, a, b); }
 static inline VF ld_e4m3(const uint8_t* p) {  // value * 2^-8, like the SIMD paths
   VF r;
   for (int i = 0; i < W; ++i) r.v[i] = kvq::fp8_to_float(p[i], kvq::ENC_FP8_E4M3) * 0.00390625f;
