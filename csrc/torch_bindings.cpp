@@ -73,6 +73,7 @@ TORCH_LIBRARY(vllm_kvq, ops) {
       "stage_window(Tensor(a!) staging, Tensor key, Tensor value, Tensor(b!) pool, "
       "Tensor gather_rows, Tensor gather_blk, Tensor gather_row, Tensor new_rows, "
       "Tensor new_tok, Tensor keep_rows, Tensor keep_blk, Tensor keep_row) -> ()");
+  ops.def("hadamard(Tensor x, Tensor(a!) out, Tensor sc, bool inverse) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(vllm_kvq, CPU, ops) {
@@ -105,6 +106,8 @@ TORCH_LIBRARY_IMPL(vllm_kvq, CPU, ops) {
               const at::Tensor& kb, const at::Tensor& kw) {
              kvq_cpu::stage_window(st, k, v, pool, gr, gb, gw, nr, nt, kr, kb, kw);
            });
+  ops.impl("hadamard", [](const at::Tensor& x, at::Tensor out, const at::Tensor& sc,
+                          bool inverse) { kvq_cpu::hadamard(x, out, sc, inverse); });
 }
 
 #ifdef KVQ_WITH_CUDA

@@ -451,10 +451,9 @@ def run_refs(c):
         return ref
     if c["fmt"].rotation == "none":
         return [ref, run_ref_int8q(c)]
-    R = rotation.matrix(c["query"].shape[-1], "cpu")
-    q, sk, sv = rotation.for_attention(R, c["query"], c.get("staging_k"), c.get("staging_v"))
+    q, sk, sv = rotation.for_attention(c["query"], c.get("staging_k"), c.get("staging_v"))
     plain = dict(c, fmt=c["fmt"].with_rotation("none"), query=q, staging_k=sk, staging_v=sv)
-    return [ref, rotation.unrotate(run_ref_int8q(plain), R)]
+    return [ref, rotation.unrotate(run_ref_int8q(plain))]
 
 
 def run_mine(c, path=None, **over):
@@ -706,6 +705,62 @@ def test_rotated_formats(name, D, dtype):
         assert_attn_close(run_mine(c, path), ref, dtype, what=f"{name} {path}")
 
 
+@pytest.mark.parametrize("D", rotation.HEAD_SIZES)
+def test_rotation_is_the_hadamard_matrix(D):
+    """rotate / unrotate (the fast transform) are x R and y R^T with R = diag(signs) H / sqrt(D)
+    up to fp32 rounding, and R is orthogonal."""
+    R = rotation.hadamard_matrix(D)
+    assert torch.allclose(R @ R.T, torch.eye(D), atol=1e-6)
+    x = torch.randn(40, 3, D, generator=torch.Generator().manual_seed(D))
+    assert torch.allclose(rotation.rotate(x), x @ R, atol=1e-5)
+    assert torch.allclose(rotation.unrotate(x), x @ R.T, atol=1e-5)
+    assert torch.allclose(rotation.unrotate(rotation.rotate(x)), x, atol=1e-5)
+
+
+HADAMARD_DTYPES = [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
+                   (torch.float32, torch.float32), (torch.bfloat16, torch.float32)]
+
+
+@pytest.mark.parametrize("D", rotation.HEAD_SIZES)
+@pytest.mark.parametrize("dt,odt", HADAMARD_DTYPES, ids=[f"{a}-{b}".replace("torch.", "")
+                                                          for a, b in HADAMARD_DTYPES])
+def test_hadamard_op_equals_the_reference(D, dt, odt):
+    """torch.ops.vllm_kvq.hadamard (ops.rotate on the CPU) is rotation.rotate / unrotate bit
+    for bit on every SIMD path: strided rows (a query sliced from a fused qkv), a decode
+    step's few rows (one thread) and a prefill's many (OpenMP), in place too."""
+    g = torch.Generator().manual_seed(D)
+    qkv = (torch.randn(700, 5 * D, generator=g) * 4).to(dt)
+    qkv[3, 7] = float("nan")
+    for rows in (3, 700):
+        x = qkv[:rows, D:4 * D].view(rows, 3, D)  # row stride 5D, head stride D
+        for inverse in (False, True):
+            want = (rotation.unrotate if inverse else rotation.rotate)(x, odt)
+            for path in PATHS:
+                with simd(path):
+                    got = ops.rotate(x, odt, inverse=inverse)
+                    assert torch.equal(got.isnan(), want.isnan()), path
+                    assert torch.equal(got.nan_to_num(), want.nan_to_num()), (path, inverse)
+                    if odt == dt:
+                        y = x.clone()
+                        ops.rotate(y, inverse=inverse, out=y)
+                        assert torch.equal(y.nan_to_num(), want.nan_to_num()), path
+
+
+def test_hadamard_op_rejects_bad_arguments():
+    sc = rotation.signed_scale(64)
+    x = torch.randn(4, 64)
+    with pytest.raises(RuntimeError, match="head_dim 96 is not allowed"):
+        ops._ops().hadamard(torch.randn(4, 96), torch.empty(4, 96), sc, False)
+    with pytest.raises(RuntimeError, match="out must have x's shape"):
+        ops._ops().hadamard(x, torch.empty(4, 32), sc, False)
+    with pytest.raises(RuntimeError, match="contiguous last dim"):
+        ops._ops().hadamard(torch.randn(64, 4).T, torch.empty(4, 64), sc, False)
+    with pytest.raises(RuntimeError, match="sc must be a contiguous float32"):
+        ops._ops().hadamard(x, torch.empty(4, 64), sc.double(), False)
+    with pytest.raises(RuntimeError, match="must be float32, float16 or bfloat16"):
+        ops._ops().hadamard(x.to(torch.int32), torch.empty(4, 64), sc, False)
+
+
 def test_rotation_preserves_attention():
     """An orthogonal rotation of q, k and v (output rotated back) leaves attention as it
     was: bf16_rot computes bf16's attention up to rounding."""
@@ -734,7 +789,7 @@ def test_rotation_spreads_an_outlier_channel():
         back = torch.cat([torch.stack([reference.read_block(cache, b, h, fmt, lay)[0]
                                        for h in range(H)], 1) for b in range(N // B)])
         if fmt.rotation != "none":
-            back = rotation.unrotate(back, rotation.matrix(D, "cpu"))
+            back = rotation.unrotate(back)
         err[name] = ((back - x).norm() / x.norm()).item()
     assert err["int4_token_rot"] < 0.5 * err["int4_token"], err
 

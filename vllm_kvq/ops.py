@@ -16,7 +16,9 @@ nuq codecs need their layer's codebooks: k_levels / v_levels, float32 [2^bits] a
 
 Rotated formats (fmt.rotation = "hadamard", vllm_kvq.rotation) are rotated here, around
 the kernels: writes quantize K R and V R (rotated in float32), attention rotates the query
-and the staging rows and rotates the output back. The kernels themselves never see it.
+and the staging rows and rotates the output back. The kernels themselves never see it. On
+the CPU each rotation is one pass of torch.ops.vllm_kvq.hadamard (bit-identical to
+rotation.rotate / unrotate); on CUDA it is rotation's PyTorch code.
 """
 from __future__ import annotations
 
@@ -48,6 +50,19 @@ def simd_path() -> str:
     _ops()
     from vllm_kvq import _C
     return _C.simd_path()
+
+
+def rotate(x: torch.Tensor, dtype: torch.dtype | None = None, inverse: bool = False,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """rotation.rotate(x, dtype) (inverse: unrotate) into `out` (default: a new tensor):
+    the C++ op on the CPU, one pass; x and out [N, D] or [N, M, D], last dim contiguous."""
+    if x.device.type != "cpu":
+        y = (rotation.unrotate if inverse else rotation.rotate)(x, dtype)
+        return y if out is None else out.copy_(y)
+    if out is None:
+        out = torch.empty(x.shape, dtype=dtype or x.dtype)
+    _ops().hadamard(x, out, rotation.signed_scale(x.shape[-1]), inverse)
+    return out
 
 
 def _fail(msg: str):
@@ -190,7 +205,7 @@ def write_cache(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
             if c.granularity == "channel":
                 _check_channel_groups(slot_mapping, c, side)
     if fmt.rotation != "none":
-        key, value = rotation.for_cache(rotation.matrix(D, key.device), key, value)
+        key, value = rotate(key, torch.float32), rotate(value, torch.float32)
     _ops().write_cache(key, value, cache, slot_mapping, fmt.key.as_ints(),
                        fmt.value.as_ints(), ks, vs, kl, vl)
 
@@ -282,19 +297,21 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
                   f"{out.dtype}")
         if out.stride(-1) != 1:
             _fail("out last dim must be contiguous")
-    rot = rotation.matrix(D, dev) if fmt.rotation != "none" else None
+    rotated = fmt.rotation != "none"
     dst = out
-    if rot is not None:
-        query, staging_k, staging_v = rotation.for_attention(rot, query, staging_k, staging_v)
+    if rotated:
+        query = rotate(query)
+        if R > 1:
+            staging_k, staging_v = rotate(staging_k), rotate(staging_v)
         dst = torch.zeros_like(query)
     _ops().paged_attention(dst, query, cache, block_table, seq_lens, query_start_loc,
                            staging_k, staging_v, staging_start_loc, staging_pos0, R,
                            sliding_window_for(fmt, sliding_window), softmax_scale,
                            soft_cap_for(logits_soft_cap), fmt.key.as_ints(),
                            fmt.value.as_ints(), ks, vs, kl, vl)
-    if rot is not None:
+    if rotated:
         n = int(query_start_loc[-1])  # only the rows the kernel wrote
-        out[:n] = rotation.unrotate(dst[:n], rot)
+        rotate(dst[:n], inverse=True, out=out[:n])
     return out
 
 
@@ -358,14 +375,13 @@ class LayerOps:
         self._ops = _ops()
         # rotated formats: K/V rotated before quantizing, the query and staging rows rotated
         # and the output rotated back around the kernels (vllm_kvq.rotation)
-        self.rotation = (rotation.matrix(head_dim, device) if fmt.rotation != "none"
-                         else None)
+        self.rotated = fmt.rotation != "none"
 
     def write(self, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
         """Quantize key/value [N, H, D] into their slots (N = len(slot_mapping))."""
-        if self.rotation is not None:
-            key, value = rotation.for_cache(self.rotation, key, value)
+        if self.rotated:
+            key, value = rotate(key, torch.float32), rotate(value, torch.float32)
         self._ops.write_cache(key, value, cache, slot_mapping, self.k_codec, self.v_codec,
                               self.k_scale, self.v_scale, self.k_levels, self.v_levels)
 
@@ -381,17 +397,17 @@ class LayerOps:
         paged kernel, the long prefills after them to the flash path (vllm_kvq.prefill);
         None: the paged kernel for the whole batch. A rotated format writes every row of
         out (the caller passes the step's rows, as the backend does)."""
-        R = self.rotation
-        if R is None:
+        if not self.rotated:
             return self._attend(query, cache, block_table, seq_lens, query_start_loc,
                                 softmax_scale, out, staging_k, staging_v, staging_start_loc,
                                 staging_pos0, split)
-        rotated, staging_k, staging_v = rotation.for_attention(R, query, staging_k, staging_v)
+        rotated = rotate(query)
+        if staging_k is not None:
+            staging_k, staging_v = rotate(staging_k), rotate(staging_v)
         o = self._attend(rotated, cache, block_table, seq_lens, query_start_loc, softmax_scale,
                          torch.empty_like(rotated), staging_k, staging_v, staging_start_loc,
                          staging_pos0, split)
-        out.copy_(rotation.unrotate(o, R))
-        return out
+        return rotate(o, inverse=True, out=out)
 
     def _attend(self, query, cache, block_table, seq_lens, query_start_loc, softmax_scale,
                 out, staging_k, staging_v, staging_start_loc, staging_pos0, split):

@@ -398,7 +398,7 @@ def write_cache(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
     """
     N, H, D = key.shape
     if fmt.rotation != "none":
-        key, value = rotation.for_cache(rotation.matrix(D, "cpu"), key, value)
+        key, value = rotation.for_cache(key, value)
     B = layout.block_size
     planes = _planes(cache)
     slots = slot_mapping.tolist()
@@ -458,10 +458,10 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
     logit x = softmax_scale * q.k becomes c * tanh(x / c) before the softmax.
     """
     T, Hq, D = query.shape
-    rot = rotation.matrix(D, "cpu") if fmt.rotation != "none" else None
+    rot = fmt.rotation != "none"
     dtype = query.dtype
-    if rot is not None:
-        query, staging_k, staging_v = rotation.for_attention(rot, query, staging_k, staging_v)
+    if rot:
+        query, staging_k, staging_v = rotation.for_attention(query, staging_k, staging_v)
     H = cache.shape[1]
     B = layout.block_size
     R = fmt.residual_chunk
@@ -497,6 +497,6 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
                 if logits_soft_cap:
                     logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
                 out[q0 + i, hq] = torch.softmax(logits, 0) @ Vp[h, lo:]
-    if rot is not None:  # the kernels' output is rounded to the query dtype, then rotated back
-        return rotation.unrotate(out.to(dtype), rot)
+    if rot:  # the kernels' output is rounded to the query dtype, then rotated back
+        return rotation.unrotate(out.to(dtype))
     return out.to(dtype)

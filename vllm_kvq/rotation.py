@@ -9,9 +9,15 @@ D channels, so its per-token / per-group scale stops being set by that channel a
 Data-free: the same matrix for every model, layer and head (the cache is only readable
 with it, so the seed is fixed, not configurable).
 
+Computed as a fast Walsh-Hadamard transform (D log2 D adds, not a D x D product), in fp32:
+    x R   = fwht(x * sc)     x R^T = fwht(x) * sc      sc = signs / sqrt(D)
+fwht's butterfly order is the definition the C++ op (torch.ops.vllm_kvq.hadamard,
+csrc/cpu/hadamard_body.h) follows, so both round every value alike (bit-identical).
+
 Applied around the kernels by vllm_kvq.ops (write rotates K/V before quantizing; attend
 rotates the query and the full-precision staging rows and un-rotates the output), and the
-same way in vllm_kvq.reference: every kernel (CPU paths, CUDA) sees ordinary inputs.
+same way in vllm_kvq.reference: every attention kernel (CPU paths, CUDA) sees ordinary
+inputs.
 """
 from __future__ import annotations
 
@@ -21,47 +27,67 @@ ROTATIONS = ("none", "hadamard")
 HEAD_SIZES = (64, 128, 256)  # powers of two: the Sylvester construction
 SEED = 0x4B5651
 
-_MATRICES: dict = {}
+_SCALES: dict = {}
+
+
+def _signs(D: int) -> torch.Tensor:
+    if D not in HEAD_SIZES:
+        raise ValueError(f"a Hadamard rotation needs head_dim in {HEAD_SIZES}, got {D}")
+    gen = torch.Generator().manual_seed(SEED + D)
+    return torch.randint(0, 2, (D,), generator=gen).to(torch.float64) * 2 - 1
 
 
 def hadamard_matrix(D: int) -> torch.Tensor:
-    """float32 [D, D]: diag(signs) . H_D / sqrt(D), orthogonal."""
-    if D not in HEAD_SIZES:
-        raise ValueError(f"a Hadamard rotation needs head_dim in {HEAD_SIZES}, got {D}")
+    """float32 [D, D]: R = diag(signs) . H_D / sqrt(D), orthogonal (for tests and reading)."""
+    signs = _signs(D)
     H = torch.ones(1, 1, dtype=torch.float64)
     while H.shape[0] < D:  # H_2n = [[H, H], [H, -H]]
         H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)], 0)
-    gen = torch.Generator().manual_seed(SEED + D)
-    signs = torch.randint(0, 2, (D,), generator=gen).to(torch.float64) * 2 - 1
     return (signs[:, None] * H / D ** 0.5).to(torch.float32)
 
 
-def matrix(D: int, device) -> torch.Tensor:
-    """hadamard_matrix(D) on `device`, built once per (D, device)."""
+def signed_scale(D: int, device="cpu") -> torch.Tensor:
+    """float32 [D]: signs / sqrt(D), on `device`, built once per (D, device)."""
     key = (D, str(device))
-    if key not in _MATRICES:
-        _MATRICES[key] = hadamard_matrix(D).to(device)
-    return _MATRICES[key]
+    if key not in _SCALES:
+        _SCALES[key] = (_signs(D) / D ** 0.5).to(torch.float32).to(device)
+    return _SCALES[key]
 
 
-def rotate(x: torch.Tensor, R: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def fwht(x: torch.Tensor) -> torch.Tensor:
+    """The unnormalized Walsh-Hadamard transform of the last dim (a power of two), float32:
+    stages h = 1, 2, ..., D/2, each pairing elements i and i + h (bit h of i clear) into
+    (x_i + x_{i+h}, x_i - x_{i+h}). x H_D, H_D the Sylvester matrix."""
+    shape, D = x.shape, x.shape[-1]
+    h = 1
+    while h < D:
+        y = x.reshape(-1, D // (2 * h), 2, h)
+        a, b = y[:, :, 0], y[:, :, 1]
+        x = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    return x.reshape(shape)
+
+
+def rotate(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [..., D] -> x R in float32 math, returned as `dtype` (default x's), contiguous."""
-    return (x.to(torch.float32) @ R).to(dtype or x.dtype)
+    sc = signed_scale(x.shape[-1], x.device)
+    return fwht(x.to(torch.float32) * sc).to(dtype or x.dtype)
 
 
-def unrotate(y: torch.Tensor, R: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def unrotate(y: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """y [..., D] -> y R^T (the inverse of rotate)."""
-    return (y.to(torch.float32) @ R.T).to(dtype or y.dtype)
+    sc = signed_scale(y.shape[-1], y.device)
+    return (fwht(y.to(torch.float32)) * sc).to(dtype or y.dtype)
 
 
-def for_cache(R: torch.Tensor, key: torch.Tensor, value: torch.Tensor):
+def for_cache(key: torch.Tensor, value: torch.Tensor):
     """Keys and values as a rotated format stores them: x R, float32 (quantized next)."""
-    return rotate(key, R, torch.float32), rotate(value, R, torch.float32)
+    return rotate(key, torch.float32), rotate(value, torch.float32)
 
 
-def for_attention(R: torch.Tensor, query: torch.Tensor, staging_k, staging_v):
+def for_attention(query: torch.Tensor, staging_k, staging_v):
     """The query and the full-precision staging rows (None: no staging) rotated in their
     dtypes, as the kernels of a rotated format read them; the output is unrotate()d."""
     if staging_k is not None:
-        staging_k, staging_v = rotate(staging_k, R), rotate(staging_v, R)
-    return rotate(query, R), staging_k, staging_v
+        staging_k, staging_v = rotate(staging_k), rotate(staging_v)
+    return rotate(query), staging_k, staging_v

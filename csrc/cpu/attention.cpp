@@ -86,6 +86,14 @@ DecodeRowsFn current_decode_rows() {
   }
 }
 
+HadamardFn current_hadamard_rows() {
+  switch (current_path()) {
+    case PATH_AVX512: return kvq_avx512::hadamard_rows;
+    case PATH_AVX2: return kvq_avx2::hadamard_rows;
+    default: return kvq_scalar::hadamard_rows;
+  }
+}
+
 namespace {
 
 int32_t dtype_of(const at::Tensor& t, const char* what) {

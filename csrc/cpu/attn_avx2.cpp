@@ -433,10 +433,29 @@ static inline void vq8_store(VF x, VF inv, int8_t* dst) {
   _mm_storel_epi64((__m128i*)dst, _mm_packs_epi16(w, w));
 }
 
+// Butterfly of lanes l and l + h (bit h of l clear) for h < W: (x_l + x_{l+h}, x_l - x_{l+h})
+// (hadamard_body.h).
+static inline VF vbfly(VF x, int h) {
+  VF t;
+  switch (h) {
+    case 1:
+      t = _mm256_permute_ps(x, 0xB1);
+      return _mm256_blend_ps(_mm256_add_ps(x, t), _mm256_sub_ps(t, x), 0xAA);
+    case 2:
+      t = _mm256_permute_ps(x, 0x4E);
+      return _mm256_blend_ps(_mm256_add_ps(x, t), _mm256_sub_ps(t, x), 0xCC);
+    default:
+      t = _mm256_permute2f128_ps(x, x, 0x01);
+      return _mm256_blend_ps(_mm256_add_ps(x, t), _mm256_sub_ps(t, x), 0xF0);
+  }
+}
+
 #include "attn_body.h"
+#include "hadamard_body.h"
 
 const TaskFn run_task = &run_task_impl;
 const DecodeRowsFn decode_rows = &decode_rows_impl;
+const HadamardFn hadamard_rows = &hadamard_rows_impl;
 
 }  // namespace kvq_avx2
 }  // namespace kvq_cpu

@@ -469,10 +469,26 @@ static inline void vq8_store(VF x, VF inv, int8_t* dst) {
   _mm_storeu_si128((__m128i*)dst, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(x, inv))));
 }
 
+// Butterfly of lanes l and l + h (bit h of l clear) for h < W: (x_l + x_{l+h}, x_l - x_{l+h})
+// (hadamard_body.h).
+static inline VF vbfly(VF x, int h) {
+  VF t;
+  __mmask16 hi;
+  switch (h) {
+    case 1: t = _mm512_permute_ps(x, 0xB1); hi = 0xAAAA; break;
+    case 2: t = _mm512_permute_ps(x, 0x4E); hi = 0xCCCC; break;
+    case 4: t = _mm512_shuffle_f32x4(x, x, 0xB1); hi = 0xF0F0; break;
+    default: t = _mm512_shuffle_f32x4(x, x, 0x4E); hi = 0xFF00; break;
+  }
+  return _mm512_mask_sub_ps(_mm512_add_ps(x, t), hi, t, x);
+}
+
 #include "attn_body.h"
+#include "hadamard_body.h"
 
 const TaskFn run_task = &run_task_impl;
 const DecodeRowsFn decode_rows = &decode_rows_impl;
+const HadamardFn hadamard_rows = &hadamard_rows_impl;
 
 }  // namespace kvq_avx512
 }  // namespace kvq_cpu

@@ -106,6 +106,20 @@ inline size_t decode_scratch_floats(int D) {
 }
 DecodeRowsFn current_decode_rows();  // attention.cpp: the SIMD path of this call
 
+// The rotation of rotated formats (hadamard_body.h): rows (i, j) of in [N, rows_inner, D]
+// -> out (element strides s0, s1; the last dim contiguous), forward or inverse.
+constexpr int kMaxRotD = 256;
+struct HadamardArgs {
+  const void* in;
+  void* out;
+  int64_t in_s0, in_s1, out_s0, out_s1, in_elem, out_elem;
+  int64_t rows_inner;
+  int32_t in_dtype, out_dtype, D, inverse;
+  const float* sc;  // [D] signs / sqrt(D)
+};
+using HadamardFn = void (*)(const HadamardArgs& a, int64_t row_begin, int64_t row_end);
+HadamardFn current_hadamard_rows();  // attention.cpp: the SIMD path of this call
+
 // Non-saturating IEEE fp16 from float (RNE; Inf stays Inf), for outputs.
 inline uint16_t out_fp16(float x) {
   const uint32_t u = kvq::float_bits(x);
@@ -121,14 +135,17 @@ inline uint16_t out_fp16(float x) {
 namespace kvq_avx512 {
 extern const TaskFn run_task;
 extern const DecodeRowsFn decode_rows;
+extern const HadamardFn hadamard_rows;
 }  // namespace kvq_avx512
 namespace kvq_avx2 {
 extern const TaskFn run_task;
 extern const DecodeRowsFn decode_rows;
+extern const HadamardFn hadamard_rows;
 }  // namespace kvq_avx2
 namespace kvq_scalar {
 extern const TaskFn run_task;
 extern const DecodeRowsFn decode_rows;
+extern const HadamardFn hadamard_rows;
 }  // namespace kvq_scalar
 
 }  // namespace kvq_cpu

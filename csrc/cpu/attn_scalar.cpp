@@ -359,10 +359,20 @@ static inline void vq8_store(VF x, VF inv, int8_t* dst) {
   for (int l = 0; l < W; ++l) dst[l] = (int8_t)(int32_t)rintf(x.v[l] * inv.v[l]);
 }
 
+// Butterfly of lanes l and l + h (bit h of l clear) for h < W: (x_l + x_{l+h}, x_l - x_{l+h})
+// (hadamard_body.h).
+static inline VF vbfly(VF x, int h) {
+  VF r;
+  for (int l = 0; l < W; ++l) r.v[l] = (l & h) ? x.v[l - h] - x.v[l] : x.v[l] + x.v[l + h];
+  return r;
+}
+
 #include "attn_body.h"
+#include "hadamard_body.h"
 
 const TaskFn run_task = &run_task_impl;
 const DecodeRowsFn decode_rows = &decode_rows_impl;
+const HadamardFn hadamard_rows = &hadamard_rows_impl;
 
 }  // namespace kvq_scalar
 }  // namespace kvq_cpu

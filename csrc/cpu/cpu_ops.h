@@ -47,6 +47,12 @@ void stage_window(at::Tensor& staging, const at::Tensor& key, const at::Tensor& 
                   const at::Tensor& new_tok, const at::Tensor& keep_rows,
                   const at::Tensor& keep_blk, const at::Tensor& keep_row);
 
+// The rotation of rotated formats (vllm_kvq/rotation.py), rows of x [N, D] or [N, M, D]
+// (float32 / float16 / bfloat16, last dim contiguous) into out (same shape, any of those
+// dtypes; may be x itself): forward fwht(x * sc), inverse fwht(x) * sc, sc fp32 [D] =
+// signs / sqrt(D). Bit-identical to rotation.rotate / unrotate on every SIMD path.
+void hadamard(const at::Tensor& x, at::Tensor& out, const at::Tensor& sc, bool inverse);
+
 // Which SIMD path the kernels dispatch to on this CPU: "avx512", "avx2" or "scalar".
 std::string simd_path();
 

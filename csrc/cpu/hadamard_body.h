@@ -1,0 +1,63 @@
+// The rotation of rotated formats (vllm_kvq/rotation.py) on one SIMD path: rows of D values
+// through x -> fwht(x * sc) (forward) or x -> fwht(x) * sc (inverse), sc = signs / sqrt(D),
+// in fp32, read from and rounded once to float32 / float16 / bfloat16.
+//
+// fwht runs the butterfly stages in rotation.fwht's order, h = 1, 2, 4, ..., D/2: the
+// element pair (i, i + h) (bit h of i clear) becomes (x_i + x_{i+h}, x_i - x_{i+h}). Each
+// output is one add or subtract of the same two floats as there, so every path and the
+// PyTorch reference round every value the same way (bit-identical results). Stages h < W
+// pair lanes of one register (vbfly, per path), the rest pair whole registers.
+//
+// Included by attn_{avx512,avx2,scalar}.cpp after their primitives (VF, W, vload, vbfly,
+// ld_bf16, st_bf16, ...).
+
+// x [D] in place, D a power of two in [W, kMaxRotD].
+static inline void fwht_row(float* x, int D) {
+  VF r[kMaxRotD / W];
+  const int n = D / W;
+  for (int k = 0; k < n; ++k) r[k] = vload(x + k * W);
+  for (int h = 1; h < W; h *= 2)
+    for (int k = 0; k < n; ++k) r[k] = vbfly(r[k], h);
+  for (int hk = 1; hk < n; hk *= 2)
+    for (int k = 0; k < n; ++k)
+      if (!(k & hk)) {
+        const VF a = r[k], b = r[k + hk];
+        r[k] = vadd(a, b);
+        r[k + hk] = vsub(a, b);
+      }
+  for (int k = 0; k < n; ++k) vstore(x + k * W, r[k]);
+}
+
+static inline void ld_row(const void* p, int32_t dtype, int D, float* x) {
+  for (int d = 0; d < D; d += W) {
+    if (dtype == DT_BF16) vstore(x + d, ld_bf16((const uint16_t*)p + d));
+    else if (dtype == DT_F16) vstore(x + d, ld_f16((const uint16_t*)p + d));
+    else vstore(x + d, vload((const float*)p + d));
+  }
+}
+
+static inline void st_row(void* p, int32_t dtype, int D, const float* x) {
+  for (int d = 0; d < D; d += W) {
+    if (dtype == DT_BF16) st_bf16((uint16_t*)p + d, vload(x + d));
+    else if (dtype == DT_F16) st_f16((uint16_t*)p + d, vload(x + d));
+    else vstore((float*)p + d, vload(x + d));
+  }
+}
+
+static inline void scale_row(float* x, const float* sc, int D) {
+  for (int d = 0; d < D; d += W) vstore(x + d, vmul(vload(x + d), vload(sc + d)));
+}
+
+// Rows [r0, r1) of a.in -> a.out (row r = (r / a.rows_inner, r % a.rows_inner)).
+static void hadamard_rows_impl(const HadamardArgs& a, int64_t r0, int64_t r1) {
+  alignas(64) float x[kMaxRotD];
+  const int D = a.D;
+  for (int64_t r = r0; r < r1; ++r) {
+    const int64_t i = r / a.rows_inner, j = r % a.rows_inner;
+    ld_row((const char*)a.in + (i * a.in_s0 + j * a.in_s1) * a.in_elem, a.in_dtype, D, x);
+    if (!a.inverse) scale_row(x, a.sc, D);
+    fwht_row(x, D);
+    if (a.inverse) scale_row(x, a.sc, D);
+    st_row((char*)a.out + (i * a.out_s0 + j * a.out_s1) * a.out_elem, a.out_dtype, D, x);
+  }
+}
