@@ -16,8 +16,8 @@ E2E_DIR.mkdir(parents=True, exist_ok=True)
 
 
 ENGINE_TIMEOUT_S = 1200
-# KVQ_FULL_GRID=1: every format of a parallelism test (and the CUDA emulation's full grid);
-# the suite runs the one format per test that reaches the most code (suite time)
+# KVQ_FULL_GRID=1: a test's extra formats beyond the suite's (the CUDA emulation's full grid,
+# nuq3_lm under tensor parallelism); the suite runs the formats its issue names
 FULL_GRID = os.environ.get("KVQ_FULL_GRID") == "1"
 
 

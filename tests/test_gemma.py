@@ -72,12 +72,12 @@ def test_quantized_cache_on_gemma3_quality_and_capacity(method):
 TP2 = {**GEMMA, "tensor_parallel_size": 2, "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
 
 
-# nuq3 alone in the suite (each TP engine is ~60 s): it reaches the most of our per-rank
-# state (residual window, per-channel keys, per-layer codebooks from the shipped file read in
-# every worker, outlier slots); kivi2 is served under TP=2 in tests/test_openai_server.py.
-# KVQ_FULL_GRID=1 adds bf16, int4_group32, kivi2 and the calibration-free nuq3_lm.
-@pytest.mark.parametrize("method", grid(["nuq3"], ["bf16", "int4_group32", "kivi2", "nuq3",
-                                                   "nuq3_lm"]))
+# The four formats in the suite (each TP engine is ~40 s): nuq3 reaches the most of
+# our per-rank state (residual window, per-channel keys, per-layer codebooks from the shipped
+# file read in every worker, outlier slots); kivi2 is also served under TP=2 in
+# tests/test_openai_server.py. KVQ_FULL_GRID=1 adds the calibration-free nuq3_lm.
+@pytest.mark.parametrize("method", grid(["bf16", "int4_group32", "kivi2", "nuq3"],
+                                        ["bf16", "int4_group32", "kivi2", "nuq3", "nuq3_lm"]))
 def test_tensor_parallel_2_on_gemma3_reads_the_same_cache(method):
     base = run("quality", "bf16", json.dumps(GEMMA))
     one, two = run("quality", method, json.dumps(GEMMA)), run("quality", method,
