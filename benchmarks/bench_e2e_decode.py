@@ -5,10 +5,15 @@ prompts are prefilled (timed: prefill, best of --repeats cold prefills: the pref
 reset between them), then served again from the prefix cache with N new tokens (timed:
 decode, minus the time of the same cached request with 1 token), best of --repeats. Wall
 time and the process's CPU time are both reported. Ratios are to vLLM's own CPU backend
-("vllm") from the same run.
+("vllm") from the same run: the mean of its rows when it runs more than once.
 
   python benchmarks/bench_e2e_decode.py [--methods vllm,bf16,int4_group32,kivi2]
-      [--seqs 4] [--prompt-len 4096] [--new-tokens 32] [--dtype bfloat16] [--profile kivi2]
+      [--seqs 4] [--prompt-len 4096] [--new-tokens 32] [--dtype bfloat16] [--rounds 2]
+      [--profile kivi2]
+
+--rounds N runs the whole method list N times, interleaved (a VM's speed drifts over
+minutes: a row measured once, minutes away from vLLM's, can move 15%); each row is printed
+with its round, then every method's mean ratio over the rounds.
 
 --profile METHOD additionally runs that method in-process under torch.profiler for the
 decode part and prints the top operators by self CPU time (the step breakdown).
@@ -124,6 +129,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=4096)
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run the method list this many times, interleaved")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--budget-mib", type=int, default=2048)
     ap.add_argument("--model", default=None)
@@ -139,18 +146,25 @@ def main(argv=None) -> int:
         _profile(args.profile, model, args)
         return 0
     ctx = mp.get_context("spawn")
+    if args.rounds < 1:
+        ap.error(f"--rounds {args.rounds} is not allowed; allowed: 1 or more")
+    methods = args.methods.split(",")
     rows = []
-    for m in args.methods.split(","):
-        q = ctx.Queue()
-        p = ctx.Process(target=_child, args=(m, model, args, q))
-        p.start()
-        rows.append(q.get())
-        p.join()
-    base = next((r for r in rows if r["method"] == "vllm" and "error" not in r), None)
+    for rnd in range(1, args.rounds + 1):
+        for m in methods:
+            q = ctx.Queue()
+            p = ctx.Process(target=_child, args=(m, model, args, q))
+            p.start()
+            rows.append({**q.get(), "round": rnd})
+            p.join()
+    theirs = [r for r in rows if r["method"] == "vllm" and "error" not in r]
+    keys = ("prefill_s", "prefill_cpu_s", "decode_tok_s", "decode_cpu_s")
+    base = {k: sum(r[k] for r in theirs) / len(theirs) for k in keys} if theirs else None
     print(f"\n# end to end, {args.seqs} x {args.prompt_len}-token prompts, {args.new_tokens} "
           f"new tokens, model dtype {args.dtype}; machine: {platform.machine()}, "
           f"{os.cpu_count()} cores, kvq SIMD path {simd_path()}; vllm_kvq from "
-          f"{os.path.dirname(vllm_kvq.__file__)}\n")
+          f"{os.path.dirname(vllm_kvq.__file__)}; ratios to the mean of {len(theirs)} vLLM "
+          f"row(s)\n")
     print("| method | prefill s | prefill × vllm | prefill CPU × vllm | decode tok/s | "
           "decode × vllm | decode CPU × vllm | ms/step |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -158,14 +172,27 @@ def main(argv=None) -> int:
     def ratio(r, key):  # > 1: faster than vLLM's own backend
         return base[key] / r[key] if base else float("nan")
 
+    def decode_ratio(r):
+        return r["decode_tok_s"] / base["decode_tok_s"] if base else float("nan")
+
     for r in rows:
+        name = r["method"] if args.rounds == 1 else f"{r['method']} ({r['round']})"
         if "error" in r:
-            print(f"| {r['method']} | error: {r['error']} |||||||")
+            print(f"| {name} | error: {r['error']} |||||||")
             continue
-        dr = r["decode_tok_s"] / base["decode_tok_s"] if base else float("nan")
-        print(f"| {r['method']} | {r['prefill_s']:.1f} | {ratio(r, 'prefill_s'):.2f} | "
-              f"{ratio(r, 'prefill_cpu_s'):.2f} | {r['decode_tok_s']:.1f} | {dr:.2f} | "
-              f"{ratio(r, 'decode_cpu_s'):.2f} | {r['decode_ms_per_step']:.0f} |")
+        print(f"| {name} | {r['prefill_s']:.1f} | {ratio(r, 'prefill_s'):.2f} | "
+              f"{ratio(r, 'prefill_cpu_s'):.2f} | {r['decode_tok_s']:.1f} | "
+              f"{decode_ratio(r):.2f} | {ratio(r, 'decode_cpu_s'):.2f} | "
+              f"{r['decode_ms_per_step']:.0f} |")
+    if args.rounds > 1:
+        print("\n| method | prefill × vllm, mean of rounds | decode × vllm, mean of rounds |")
+        print("|---|---:|---:|")
+        for m in dict.fromkeys(methods):
+            ok = [r for r in rows if r["method"] == m and "error" not in r]
+            if ok:
+                pre = sum(ratio(r, "prefill_s") for r in ok) / len(ok)
+                dec = sum(decode_ratio(r) for r in ok) / len(ok)
+                print(f"| {m} | {pre:.2f} | {dec:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "simd": simd_path(), "rows": rows}, f, indent=1)

@@ -18,7 +18,7 @@ Rotated formats (fmt.rotation = "hadamard", vllm_kvq.rotation) are rotated here,
 the kernels: writes quantize K R and V R (rotated in float32), attention rotates the query
 and the staging rows and rotates the output back. The kernels themselves never see it. On
 the CPU each rotation is one pass of torch.ops.vllm_kvq.hadamard (bit-identical to
-rotation.rotate / unrotate); on CUDA it is rotation's PyTorch code.
+rotation.rotate / unrotate); on CUDA one fp32 product with rotation.matrix.
 """
 from __future__ import annotations
 
@@ -55,9 +55,11 @@ def simd_path() -> str:
 def rotate(x: torch.Tensor, dtype: torch.dtype | None = None, inverse: bool = False,
            out: torch.Tensor | None = None) -> torch.Tensor:
     """rotation.rotate(x, dtype) (inverse: unrotate) into `out` (default: a new tensor):
-    the C++ op on the CPU, one pass; x and out [N, D] or [N, M, D], last dim contiguous."""
+    the C++ op on the CPU, one pass, bit-identical; elsewhere x R (R^T) as one fp32 product.
+    x and out [N, D] or [N, M, D], last dim contiguous."""
     if x.device.type != "cpu":
-        y = (rotation.unrotate if inverse else rotation.rotate)(x, dtype)
+        R = rotation.matrix(x.shape[-1], x.device)
+        y = (x.to(torch.float32) @ (R.T if inverse else R)).to(dtype or x.dtype)
         return y if out is None else out.copy_(y)
     if out is None:
         out = torch.empty(x.shape, dtype=dtype or x.dtype)

@@ -46,6 +46,15 @@ def hadamard_matrix(D: int) -> torch.Tensor:
     return (signs[:, None] * H / D ** 0.5).to(torch.float32)
 
 
+def matrix(D: int, device) -> torch.Tensor:
+    """hadamard_matrix(D) on `device`, built once per (D, device): on a GPU one product
+    (x R, fp32) is fewer launches than fwht's log2(D) stages (equal up to fp32 rounding)."""
+    key = ("R", D, str(device))
+    if key not in _SCALES:
+        _SCALES[key] = hadamard_matrix(D).to(device)
+    return _SCALES[key]
+
+
 def signed_scale(D: int, device="cpu") -> torch.Tensor:
     """float32 [D]: signs / sqrt(D), on `device`, built once per (D, device)."""
     key = (D, str(device))
