@@ -96,16 +96,6 @@ HadamardFn current_hadamard_rows() {
 
 namespace {
 
-int32_t dtype_of(const at::Tensor& t, const char* what) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return DT_F32;
-    case at::kHalf: return DT_F16;
-    case at::kBFloat16: return DT_BF16;
-    default:
-      TORCH_CHECK(false, what, " must be float32, float16 or bfloat16, got ", t.scalar_type());
-  }
-}
-
 using kvq::to_codec;
 
 using kvq::static_scales;

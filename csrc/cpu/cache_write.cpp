@@ -11,6 +11,7 @@
 #include "kvq_layout.h"
 #include "kvq_torch_codec.h"
 #include "kvq_numeric.h"
+#include "attn_common.h"
 #include "op_checks.h"
 #include "write_common.h"
 
@@ -21,15 +22,9 @@ using kvq::Codec;
 using kvq::Region;
 using kvq::to_codec;
 
-InDType in_dtype(const at::Tensor& t, const char* what) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return IN_F32;
-    case at::kHalf: return IN_F16;
-    case at::kBFloat16: return IN_BF16;
-    default:
-      TORCH_CHECK(false, what, " must be float32, float16 or bfloat16, got ", t.scalar_type());
-  }
-}
+static_assert((int)IN_F32 == DT_F32 && (int)IN_F16 == DT_F16 && (int)IN_BF16 == DT_BF16,
+              "the write kernels number dtypes as the attention kernels (op_checks dtype_of)");
+InDType in_dtype(const at::Tensor& t, const char* what) { return (InDType)dtype_of(t, what); }
 
 }  // namespace
 

@@ -123,15 +123,7 @@ void dequantize_pages(const at::Tensor& cache, const at::Tensor& block_row, int6
   const int64_t o_sl[2] = {out_k.stride(1), out_v.stride(1)};
   const uint8_t* cp = cache.data_ptr<uint8_t>();
   const int64_t c_sb = cache.stride(0), c_sh = cache.stride(1);
-  int32_t dtype = DT_F32;
-  switch (out_k.scalar_type()) {
-    case at::kFloat: dtype = DT_F32; break;
-    case at::kBFloat16: dtype = DT_BF16; break;
-    case at::kHalf: dtype = DT_F16; break;
-    default:
-      TORCH_CHECK(false, "out_k/out_v must be float32, float16 or bfloat16, got ",
-                  out_k.scalar_type());
-  }
+  const int32_t dtype = dtype_of(out_k, "out_k/out_v");
   uint8_t* outs[2] = {(uint8_t*)out_k.data_ptr(), (uint8_t*)out_v.data_ptr()};
   run(decode, sides, cp, c_sb, c_sh, blocks, nblk, L, H, B, D, outs, dtype,
       (int64_t)out_k.element_size(), o_sh, o_sl);

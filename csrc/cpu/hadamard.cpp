@@ -8,22 +8,9 @@
 
 #include "attn_common.h"
 #include "cpu_ops.h"
+#include "op_checks.h"
 
 namespace kvq_cpu {
-
-namespace {
-
-int32_t float_dtype(const at::Tensor& t, const char* what) {
-  switch (t.scalar_type()) {
-    case at::kFloat: return DT_F32;
-    case at::kHalf: return DT_F16;
-    case at::kBFloat16: return DT_BF16;
-    default:
-      TORCH_CHECK(false, what, " must be float32, float16 or bfloat16, got ", t.scalar_type());
-  }
-}
-
-}  // namespace
 
 void hadamard(const at::Tensor& x, at::Tensor& out, const at::Tensor& sc, bool inverse) {
   TORCH_CHECK(x.device().is_cpu() && out.device().is_cpu() && sc.device().is_cpu(),
@@ -51,8 +38,8 @@ void hadamard(const at::Tensor& x, at::Tensor& out, const at::Tensor& sc, bool i
   a.out_s1 = three ? out.stride(1) : 0;
   a.in_elem = x.element_size();
   a.out_elem = out.element_size();
-  a.in_dtype = float_dtype(x, "hadamard: x");
-  a.out_dtype = float_dtype(out, "hadamard: out");
+  a.in_dtype = dtype_of(x, "hadamard: x");
+  a.out_dtype = dtype_of(out, "hadamard: out");
   a.D = (int32_t)D;
   a.inverse = inverse ? 1 : 0;
   a.sc = sc.data_ptr<float>();

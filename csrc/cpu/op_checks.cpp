@@ -2,11 +2,22 @@
 // one definition each, run once per op call before any ISA path sees the arguments.
 #include <cmath>
 
+#include "attn_common.h"
 #include "op_checks.h"
 
 namespace kvq_cpu {
 
 using kvq::Codec;
+
+int32_t dtype_of(const at::Tensor& t, const char* what) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return DT_F32;
+    case at::kHalf: return DT_F16;
+    case at::kBFloat16: return DT_BF16;
+    default:
+      TORCH_CHECK(false, what, " must be float32, float16 or bfloat16, got ", t.scalar_type());
+  }
+}
 
 void check_codec(const Codec& c, int D, int B, const char* what) {
   TORCH_CHECK(c.outliers >= 0 && c.outliers <= 64 && c.outliers <= D, what, ": outliers=",

@@ -16,6 +16,10 @@ void check_codec(const kvq::Codec& c, int D, int B, const char* what);
 // tensor; empty for other codecs.
 std::vector<float> codebook(const kvq::Codec& c, const at::Tensor& levels, const char* what);
 
+// A float tensor's dtype as the kernels number it (attn_common.h DType; write_common.h
+// InDType is the same numbering); anything else is an error naming `what`.
+int32_t dtype_of(const at::Tensor& t, const char* what);
+
 // The SIMD path the ops dispatch to (attention.cpp): 0 scalar, 1 avx2, 2 avx512
 // (KVQ_SIMD lowers it).
 int simd_level();
