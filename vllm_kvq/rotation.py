@@ -27,6 +27,7 @@ ROTATIONS = ("none", "hadamard")
 HEAD_SIZES = (64, 128, 256)  # powers of two: the Sylvester construction
 SEED = 0x4B5651
 
+_MATRICES: dict = {}
 _SCALES: dict = {}
 
 
@@ -49,10 +50,10 @@ def hadamard_matrix(D: int) -> torch.Tensor:
 def matrix(D: int, device) -> torch.Tensor:
     """hadamard_matrix(D) on `device`, built once per (D, device): on a GPU one product
     (x R, fp32) is fewer launches than fwht's log2(D) stages (equal up to fp32 rounding)."""
-    key = ("R", D, str(device))
-    if key not in _SCALES:
-        _SCALES[key] = hadamard_matrix(D).to(device)
-    return _SCALES[key]
+    key = (D, str(device))
+    if key not in _MATRICES:
+        _MATRICES[key] = hadamard_matrix(D).to(device)
+    return _MATRICES[key]
 
 
 def signed_scale(D: int, device="cpu") -> torch.Tensor:

@@ -1396,6 +1396,16 @@ static inline void load_row_f(const void* base, int32_t dt, int64_t elem_off, in
     for (int d = 0; d < D; d += W) vstore(out + d, vmul(ld_bf16(p + d), vm));
   }
 }
+// x [D] -> row elem_off of base in dtype dt, rounded once to nearest even (torch's casts).
+static inline void store_row_f(void* base, int32_t dt, int64_t elem_off, int D, const float* x) {
+  if (dt == DT_F32) {
+    memcpy((float*)base + elem_off, x, sizeof(float) * D);
+  } else {
+    uint16_t* p = (uint16_t*)base + elem_off;
+    if (dt == DT_BF16) for (int d = 0; d < D; d += W) st_bf16(p + d, vload(x + d));
+    else for (int d = 0; d < D; d += W) st_f16(p + d, vload(x + d));
+  }
+}
 
 // ---- logits: S[m][t] = Q[m] . K[t] ------------------------------------------------------
 template <int MB>
@@ -1986,12 +1996,7 @@ static void decode_rows_impl(const kvq::Codec& c, const kvq::Region& r, const ui
     const bool dense = dtype == DT_F32 && row_stride == D;
     float* dst = dense ? (float*)out + (int64_t)t0 * D : rows;
     with_kind(c, false, [&](auto k) { decode_tile_kind(k, ts, n, D, dst); });
-    for (int t = 0; t < n && !dense; ++t) {
-      const float* src = rows + (int64_t)t * D;
-      const int64_t o = (int64_t)(t0 + t) * row_stride;
-      if (dtype == DT_F32) memcpy((float*)out + o, src, sizeof(float) * D);
-      else if (dtype == DT_BF16) for (int d = 0; d < D; d += W) st_bf16((uint16_t*)out + o + d, vload(src + d));
-      else for (int d = 0; d < D; d += W) st_f16((uint16_t*)out + o + d, vload(src + d));
-    }
+    for (int t = 0; t < n && !dense; ++t)
+      store_row_f(out, dtype, (int64_t)(t0 + t) * row_stride, D, rows + (int64_t)t * D);
   }
 }

@@ -112,7 +112,7 @@ constexpr int kMaxRotD = 256;
 struct HadamardArgs {
   const void* in;
   void* out;
-  int64_t in_s0, in_s1, out_s0, out_s1, in_elem, out_elem;
+  int64_t in_s0, in_s1, out_s0, out_s1;
   int64_t rows_inner;
   int32_t in_dtype, out_dtype, D, inverse;
   const float* sc;  // [D] signs / sqrt(D)

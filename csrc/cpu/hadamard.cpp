@@ -36,8 +36,6 @@ void hadamard(const at::Tensor& x, at::Tensor& out, const at::Tensor& sc, bool i
   a.in_s1 = three ? x.stride(1) : 0;
   a.out_s0 = out.stride(0);
   a.out_s1 = three ? out.stride(1) : 0;
-  a.in_elem = x.element_size();
-  a.out_elem = out.element_size();
   a.in_dtype = dtype_of(x, "hadamard: x");
   a.out_dtype = dtype_of(out, "hadamard: out");
   a.D = (int32_t)D;

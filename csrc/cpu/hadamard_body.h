@@ -8,8 +8,8 @@
 // PyTorch reference round every value the same way (bit-identical results). Stages h < W
 // pair lanes of one register (vbfly, per path), the rest pair whole registers.
 //
-// Included by attn_{avx512,avx2,scalar}.cpp after their primitives (VF, W, vload, vbfly,
-// ld_bf16, st_bf16, ...).
+// Included by attn_{avx512,avx2,scalar}.cpp after attn_body.h (VF, W, vbfly, load_row_f,
+// store_row_f, ...).
 
 // x [D] in place, D a power of two in [W, kMaxRotD].
 static inline void fwht_row(float* x, int D) {
@@ -28,22 +28,6 @@ static inline void fwht_row(float* x, int D) {
   for (int k = 0; k < n; ++k) vstore(x + k * W, r[k]);
 }
 
-static inline void ld_row(const void* p, int32_t dtype, int D, float* x) {
-  for (int d = 0; d < D; d += W) {
-    if (dtype == DT_BF16) vstore(x + d, ld_bf16((const uint16_t*)p + d));
-    else if (dtype == DT_F16) vstore(x + d, ld_f16((const uint16_t*)p + d));
-    else vstore(x + d, vload((const float*)p + d));
-  }
-}
-
-static inline void st_row(void* p, int32_t dtype, int D, const float* x) {
-  for (int d = 0; d < D; d += W) {
-    if (dtype == DT_BF16) st_bf16((uint16_t*)p + d, vload(x + d));
-    else if (dtype == DT_F16) st_f16((uint16_t*)p + d, vload(x + d));
-    else vstore((float*)p + d, vload(x + d));
-  }
-}
-
 static inline void scale_row(float* x, const float* sc, int D) {
   for (int d = 0; d < D; d += W) vstore(x + d, vmul(vload(x + d), vload(sc + d)));
 }
@@ -54,10 +38,10 @@ static void hadamard_rows_impl(const HadamardArgs& a, int64_t r0, int64_t r1) {
   const int D = a.D;
   for (int64_t r = r0; r < r1; ++r) {
     const int64_t i = r / a.rows_inner, j = r % a.rows_inner;
-    ld_row((const char*)a.in + (i * a.in_s0 + j * a.in_s1) * a.in_elem, a.in_dtype, D, x);
+    load_row_f(a.in, a.in_dtype, i * a.in_s0 + j * a.in_s1, D, 1.0f, x);
     if (!a.inverse) scale_row(x, a.sc, D);
     fwht_row(x, D);
     if (a.inverse) scale_row(x, a.sc, D);
-    st_row((char*)a.out + (i * a.out_s0 + j * a.out_s1) * a.out_elem, a.out_dtype, D, x);
+    store_row_f(a.out, a.out_dtype, i * a.out_s0 + j * a.out_s1, D, x);
   }
 }
