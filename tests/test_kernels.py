@@ -989,6 +989,32 @@ def test_attention_int8_query(name, D, gq):
                 os.environ["KVQ_EXACT_QK"] = old
 
 
+# (head_dim, gq): vdpbf16ps reads 32 channels a step (80: not a multiple, the fp32 FMAs stay);
+# 1 to 16 query rows per kv head (qk_bf16's row blocks 1, 3, 4, 8, 16)
+BF16DP_CASES = [(64, 3), (96, 8), (128, 4), (256, 1), (128, 16), (80, 3)]
+
+
+@pytest.mark.parametrize("D,gq", BF16DP_CASES, ids=[f"D{D}-gq{g}" for D, g in BF16DP_CASES])
+def test_bf16_query_on_bf16_keys(D, gq, monkeypatch):
+    """A bf16 query's decode on bf16 keys takes vdpbf16ps (attn_body.h qk_bf16) on the
+    AVX-512 path of a CPU with AVX512-BF16: the raw bf16 pairs multiplied exactly, the
+    softmax scale applied to the logit. Every path matches the exact reference at bf16's
+    tolerance, with and without KVQ_EXACT_QK=1 (fp32 FMAs). (The two differ by fp32
+    rounding in the logits, which a bf16 output almost never shows, so this test cannot
+    tell which ran: that qk_bf16 runs shows in benchmarks/bench_cpu_attention.py's bf16 row,
+    KVQ_EXACT_QK=1 against unset.)"""
+    c = build_case("bf16", D, 32, gq=gq, H=2, dtype=torch.bfloat16,
+                   seqs=[(300, 1), (97, 1), (45, 1)], seed=_seed("bf16dp", D, gq))
+    ref = run_ref(c)
+    for path in PATHS:
+        out = run_mine(c, path)
+        assert_attn_close(out, ref, torch.bfloat16, what=f"D{D} gq{gq} {path}")
+        monkeypatch.setenv("KVQ_EXACT_QK", "1")
+        fma = run_mine(c, path)
+        monkeypatch.delenv("KVQ_EXACT_QK")
+        assert_attn_close(fma, ref, torch.bfloat16, what=f"D{D} gq{gq} {path} exact")
+
+
 @pytest.mark.parametrize("name", ["int4_group32", "kivi2_k16_g16_r32"])
 def test_prefill_chunks_take_the_exact_qk(name):
     """Only decodes (a sequence's single query this step) take the int8 query: the rows of

@@ -340,6 +340,13 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
       return __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vbmi2");
     }();
     P.qk3 = path == PATH_SCALAR || (path == PATH_AVX512 && vbmi) ? 1 : 0;
+    // bf16 keys x a bf16 query by vdpbf16ps (attn_body.h qk_bf16): AVX-512 path with
+    // AVX512-BF16; KVQ_EXACT_QK=1 keeps the fp32 FMAs here too.
+    static const bool avx512bf16 = [] {
+      __builtin_cpu_init();
+      return (bool)__builtin_cpu_supports("avx512bf16");
+    }();
+    P.bf16dp = !exact && path == PATH_AVX512 && avx512bf16 ? 1 : 0;
   }
   const int64_t nwork = (int64_t)work.size();
   const int nthr = (int)std::min<int64_t>(nthreads, nwork);

@@ -450,6 +450,7 @@ static inline VF vbfly(VF x, int h) {
   }
 }
 
+#define KVQ_HAS_BF16DP 0  // no vdpbf16ps: bf16 keys take the fp32 Q.K (qk_fused)
 #include "attn_body.h"
 #include "hadamard_body.h"
 

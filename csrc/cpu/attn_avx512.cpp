@@ -423,6 +423,16 @@ static inline VI ci_tab16(const uint8_t* t) {
 }
 // Every byte x (a code < 16, ci_field's output) -> tab[x] (vpshufb).
 static inline VI ci_lut16(VI x, VI tab) { return _mm512_shuffle_epi8(tab, x); }
+// bf16 keys x a bf16 query, for qk_bf16 (attn_body.h): only KVQ_BF16_TARGET functions run
+// AVX512-BF16, and the driver sets AttnParams::bf16dp on this path only when the CPU has it.
+// vdpbf16ps: lane i += a[2i] * b[2i] + a[2i+1] * b[2i+1] (bf16 products are exact in fp32;
+// bf16 denormals read as 0), 32 channels per instruction.
+#define KVQ_HAS_BF16DP 1
+#define KVQ_BF16_TARGET __attribute__((target("avx512bf16")))
+static inline KVQ_BF16_TARGET VF vdp_bf16(VF acc, VI a, VI b) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+static inline VI ci_loadu(const void* p) { return _mm512_loadu_si512(p); }
 // 3-bit codes as stored, for qk_int3 (attn_body.h): only functions with KVQ_QK3_TARGET
 // run VBMI / VBMI2 instructions, and the driver sets AttnParams::qk3 on this path only when
 // the CPU has both, so the rest of this file stays runnable on AVX-512 CPUs without them.

@@ -1231,6 +1231,39 @@ static void qk_fused(const float* Q, const TileSrc& ts, int nt, int D, float* S)
   }
 }
 
+#if KVQ_HAS_BF16DP
+// qk_fused for bf16 keys and a bf16 query: S[m][t] = scale * (Qb[m] . K[t]), Qb MB rows of
+// D raw bf16 (rows >= M zero). vdpbf16ps multiplies the raw bf16 pairs (exact in fp32) into
+// fp32 lanes: half of qk_fused's FMAs and no widening of K. The query is scaled after the
+// dot, on the logit, since bf16 could not hold q * scale exactly.
+template <int MB>
+static KVQ_BF16_TARGET void qk_bf16(const uint16_t* Qb, const TileSrc& ts, int nt, int D,
+                                    float scale, float* S) {
+  constexpr int TB = W / MB;
+  const int nsteps = D / (2 * W);
+  for (int t0 = 0; t0 < nt; t0 += TB) {
+    if (ts.next) ts.next->step(imin(TB, nt - t0));
+    VF acc[W];
+    for (int i = 0; i < W; ++i) acc[i] = vzero();
+    const uint16_t* kr[TB];
+    for (int ti = 0; ti < TB; ++ti) kr[ti] = (const uint16_t*)ts.row[imin(t0 + ti, nt - 1)];
+    for (int u = 0; u < nsteps; ++u) {
+      VI kv[TB];
+      for (int ti = 0; ti < TB; ++ti) kv[ti] = ci_loadu(kr[ti] + u * 2 * W);
+      for (int mi = 0; mi < MB; ++mi) {
+        const VI qv = ci_loadu(Qb + (int64_t)mi * D + u * 2 * W);
+        for (int ti = 0; ti < TB; ++ti)
+          acc[mi * TB + ti] = vdp_bf16(acc[mi * TB + ti], qv, kv[ti]);
+      }
+    }
+    float tmp[W];
+    vstore(tmp, vmul(vreduce(acc), vset(scale)));
+    for (int mi = 0; mi < MB; ++mi)
+      for (int ti = 0; ti < TB && t0 + ti < nt; ++ti) S[mi * SL + t0 + ti] = tmp[mi * TB + ti];
+  }
+}
+#endif
+
 // Decode step u of token t without scale and zero: raw codes (int) or codebook levels (nuq).
 template <int KIND, bool PERM>
 static inline void decode_raw(const TileSrc& ts, int t, int u, VF* out) {
@@ -1606,6 +1639,9 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   const int vpk = vperm ? (P.vc.bits == 4 ? K_U4 : K_U2) : -1;
   // integer Q.K (below)
   bool iqk = fused && T.decode && P.int_qk && int_qk_ok(P.kc, D, P.qk3);
+  // bf16 keys and a bf16 query: the decode Q.K by vdpbf16ps on the raw query (qk_bf16)
+  const bool qbf = KVQ_HAS_BF16DP && fused && P.bf16dp && P.kc.encoding == kvq::ENC_BF16 &&
+                   P.dtype == DT_BF16 && D % (2 * W) == 0;
 
   float* Q = scratch;
   float* Qk = Q + (size_t)Mp * D;  // Q in the K side's decode order (permuted or = Q)
@@ -1728,6 +1764,15 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   } else {
     Qk = Q;
   }
+  // qk_bf16's rows of the raw query (MBq rows, zero past M) in Qk's own storage, unused
+  // since Qk = Q for bf16 keys
+  uint16_t* Qb = (uint16_t*)(Q + (size_t)Mp * D);
+  if (qbf)
+    for (int m = 0; m < MBq; ++m) {
+      const uint16_t* src = (const uint16_t*)P.q + (int64_t)T.tok0 * P.q_st +
+                            (int64_t)(T.h * gq + m) * P.q_sh;
+      for (int d = 0; d < D; ++d) Qb[(int64_t)m * D + d] = m < M ? src[d] : 0;
+    }
 
   // Paged keys: query i reads positions < F_i.
   const int32_t* btrow = P.bt + (int64_t)T.s * P.bt_stride;
@@ -1834,6 +1879,12 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
           for (int t = 0; t < nt; ++t) S[m * SL + t] = S[m * SL + t] * a + b;
         }
       }
+    } else if (qbf) {
+#if KVQ_HAS_BF16DP
+      with_row_block(MBq, [&](auto r) {
+        qk_bf16<decltype(r)::value>(Qb, ks, nt, D, P.scale_log2, S);
+      });
+#endif
     } else if (fused) {
       with_kind(P.kc, kperm, [&](auto k) { qk_fused_kind(k, MBq, Qk, ks, nt, D, S); }, true);
       if (P.kc.outliers) outlier_fix_k(P.kc, ks, nt, M, D, Qk, S);

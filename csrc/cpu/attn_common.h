@@ -53,6 +53,8 @@ struct AttnParams {
                             // (attn_body.h "integer Q.K"); 0: exact fp32 Q.K everywhere
   int32_t qk3;              // 1: that Q.K reads 3-bit codes as stored (the path has
                             // KVQ_HAS_QK3 and the CPU its instructions); 0: repacked / fp32
+  int32_t bf16dp;           // 1: a bf16 query's decode Q.K on bf16 keys uses vdpbf16ps (the
+                            // path has KVQ_HAS_BF16DP and the CPU AVX512-BF16); 0: fp32 FMAs
 };
 
 // One unit of work: a tile of consecutive query tokens of one sequence, one kv head (all
