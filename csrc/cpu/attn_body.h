@@ -1639,8 +1639,10 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   const int vpk = vperm ? (P.vc.bits == 4 ? K_U4 : K_U2) : -1;
   // integer Q.K (below)
   bool iqk = fused && T.decode && P.int_qk && int_qk_ok(P.kc, D, P.qk3);
-  // bf16 keys and a bf16 query: the decode Q.K by vdpbf16ps on the raw query (qk_bf16)
-  const bool qbf = KVQ_HAS_BF16DP && fused && P.bf16dp && P.kc.encoding == kvq::ENC_BF16 &&
+  // bf16 keys and a bf16 query: the decode Q.K by vdpbf16ps on the raw query (qk_bf16);
+  // decodes only, like the int8 query, so a prefill chunk computes what a whole prefill does
+  const bool qbf = KVQ_HAS_BF16DP && fused && T.decode && P.bf16dp &&
+                   P.kc.encoding == kvq::ENC_BF16 &&
                    P.dtype == DT_BF16 && D % (2 * W) == 0;
 
   float* Q = scratch;
