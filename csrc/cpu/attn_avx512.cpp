@@ -343,34 +343,33 @@ static inline VF vlut16(VI idx, const float* tab) {
 // from the table's registers: vpermt2ps picks within 32 entries, blends on index bits 5, 6
 // and 7 pick the 32-entry block; more entries by a gather. A 16-lane gather costs ~24
 // cycles on Zen 5 (microbenchmark, session 22), the permutes and blends of 128 entries ~4.
-// Written out level by level: a loop over the chunks (x[8], pairs merged per bit) measured
-// 0.91-0.95x on the slot corrections (session 22).
-// tab32(tab, k, n, idx): entries [32k, 32k + 32) (chunks past n repeat a loaded one)
+// tab32 / tab64 / tab128 (k): entries [32k, 32k + 32), [64k, ...), [128k, ...); a half past
+// n repeats the loaded one (its indexes never set the bit that picks it). Straight-line
+// code: a loop over the chunks (an x[8] array, pairs merged per bit) measured 0.91-0.95x on
+// the slot corrections (session 22).
 static inline __attribute__((always_inline)) VF tab32(const float* tab, int k, int n, VI idx) {
   const VF a = _mm512_loadu_ps(tab + 32 * k);
   const VF b = n > 32 * k + 16 ? _mm512_loadu_ps(tab + 32 * k + 16) : a;
   return _mm512_permutex2var_ps(a, idx, b);
 }
+static inline __attribute__((always_inline)) VF tab64(const float* tab, int k, int n, VI idx) {
+  const VF lo = tab32(tab, 2 * k, n, idx);
+  if (n <= 64 * k + 32) return lo;
+  const __mmask16 hi = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
+  return _mm512_mask_blend_ps(hi, lo, tab32(tab, 2 * k + 1, n, idx));
+}
+static inline __attribute__((always_inline)) VF tab128(const float* tab, int k, int n, VI idx) {
+  const VF lo = tab64(tab, 2 * k, n, idx);
+  if (n <= 128 * k + 64) return lo;
+  const __mmask16 hi = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(64));
+  return _mm512_mask_blend_ps(hi, lo, tab64(tab, 2 * k + 1, n, idx));
+}
 static inline __attribute__((always_inline)) VF vtab(const float* tab, int n, VI idx, VM m) {
   if (n > 256) return vgather_idx(tab, idx, m);
-  const __mmask16 b5 = _mm512_test_epi32_mask(idx, _mm512_set1_epi32(32));
-  VF x = tab32(tab, 0, n, idx);
-  if (n > 32) x = _mm512_mask_blend_ps(b5, x, tab32(tab, 1, n, idx));
-  if (n > 64) {
-    VF y = tab32(tab, 2, n, idx);
-    if (n > 96) y = _mm512_mask_blend_ps(b5, y, tab32(tab, 3, n, idx));
-    x = _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, _mm512_set1_epi32(64)), x, y);
-  }
-  if (n > 128) {
-    VF y = tab32(tab, 4, n, idx);
-    if (n > 160) y = _mm512_mask_blend_ps(b5, y, tab32(tab, 5, n, idx));
-    if (n > 192) {
-      VF z = tab32(tab, 6, n, idx);
-      if (n > 224) z = _mm512_mask_blend_ps(b5, z, tab32(tab, 7, n, idx));
-      y = _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, _mm512_set1_epi32(64)), y, z);
-    }
-    x = _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, _mm512_set1_epi32(128)), x, y);
-  }
+  VF x = tab128(tab, 0, n, idx);
+  if (n > 128)
+    x = _mm512_mask_blend_ps(_mm512_test_epi32_mask(idx, _mm512_set1_epi32(128)), x,
+                             tab128(tab, 1, n, idx));
   return _mm512_maskz_mov_ps(m, x);
 }
 static inline VI ci_tab(const int32_t* tab, int n, VI idx, VM m) {
