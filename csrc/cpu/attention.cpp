@@ -347,6 +347,15 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
       return (bool)__builtin_cpu_supports("avx512bf16");
     }();
     P.bf16dp = !exact && path == PATH_AVX512 && avx512bf16 ? 1 : 0;
+    // bf16 weights in a bf16 query's decode P.V of 4/2-bit values (attn_body.h pv_bf16):
+    // AVX-512 path with AVX512-BF16 and VBMI; KVQ_EXACT_PV=1 keeps the fp32 weights.
+    const char* ev = std::getenv("KVQ_EXACT_PV");
+    const bool exact_pv = ev && *ev && std::string(ev) != "0";
+    static const bool vbmi1 = [] {
+      __builtin_cpu_init();
+      return (bool)__builtin_cpu_supports("avx512vbmi");
+    }();
+    P.pv_bf16 = !exact_pv && path == PATH_AVX512 && avx512bf16 && vbmi1 ? 1 : 0;
   }
   const int64_t nwork = (int64_t)work.size();
   const int nthr = (int)std::min<int64_t>(nthreads, nwork);

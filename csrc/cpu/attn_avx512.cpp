@@ -434,6 +434,71 @@ static inline KVQ_BF16_TARGET VF vdp_bf16(VF acc, VI a, VI b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }
 static inline VI ci_loadu(const void* p) { return _mm512_loadu_si512(p); }
+// bf16 weights for the decode P.V of 4/2-bit values (pv_bf16, attn_body.h): two tokens per
+// vdpbf16ps, lane i = (token 0's value, token 1's value) of one channel, the channels in
+// ld_u4x2 / ld_u2x2's order. Only KVQ_PV_TARGET functions run AVX512-BF16 / VBMI, and the
+// driver sets AttnParams::pv_bf16 on this path only when the CPU has both.
+#define KVQ_HAS_PV_BF16 1
+#define KVQ_PV_TARGET __attribute__((target("avx512bf16,avx512vbmi")))
+// 16 floats (ld_x4x2's table: int codes or nuq levels) -> 32 words, word i = bf16 of tab[i &
+// 15], round to nearest even (small integer codes are exact).
+static inline KVQ_PV_TARGET VI pv_tabw(const float* tab) {
+  const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(tab));
+  return _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
+}
+// Two tokens' code bytes as words: byte 0 of dword i = token 0's byte sel(i), byte 2 =
+// token 1's, bytes 1 and 3 zero (vpermb with a zeroing mask over src: token 0's bytes at
+// [0, 16), token 1's at [16, 32)).
+struct PvPairs {
+  VI idx, s0, s4, tw;  // vpermb indices; per-word shifts of chunk a / b (2-bit); the table
+};
+static inline KVQ_PV_TARGET PvPairs pv_pairs_init(int bits, const float* tab) {
+  alignas(64) uint8_t b[64];
+  alignas(64) uint16_t s[32];
+  for (int i = 0; i < 16; ++i) {
+    const int sel = bits == 4 ? i : i % 8;
+    b[4 * i] = (uint8_t)sel;
+    b[4 * i + 2] = (uint8_t)(16 + sel);
+    b[4 * i + 1] = b[4 * i + 3] = 0;
+    s[2 * i] = s[2 * i + 1] = (uint16_t)(bits == 4 ? 0 : (i < 8 ? 0 : 2));
+  }
+  PvPairs p;
+  p.idx = _mm512_load_si512((const void*)b);
+  p.s0 = _mm512_load_si512((const void*)s);
+  p.s4 = _mm512_add_epi16(p.s0, _mm512_set1_epi16(4));
+  p.tw = pv_tabw(tab);
+  return p;
+}
+// 4-bit: W bytes (2W channels) of each token; a = low nibbles (even channels), b = high
+// (vpermw reads an index's low 5 bits: the bit above a low nibble picks a copy of its entry).
+static inline KVQ_PV_TARGET void pv_pairs4(const PvPairs& c, const uint8_t* r0,
+                                           const uint8_t* r1, VI& a, VI& b) {
+  const VI src = _mm512_inserti32x4(_mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)r0)),
+                                    _mm_loadu_si128((const __m128i*)r1), 1);
+  const VI z = _mm512_maskz_permutexvar_epi8((__mmask64)0x5555555555555555ULL, c.idx, src);
+  a = _mm512_permutexvar_epi16(z, c.tw);
+  b = _mm512_permutexvar_epi16(_mm512_srli_epi16(z, 4), c.tw);
+}
+// 2-bit: W/2 bytes of each token; lanes [0, W/2) byte i, lanes [W/2, W) byte i - W/2;
+// a = bit pairs 0 | 1, b = 2 | 3 (ld_x2x2's order; the table repeats every 4 entries).
+static inline KVQ_PV_TARGET void pv_pairs2(const PvPairs& c, const uint8_t* r0,
+                                           const uint8_t* r1, VI& a, VI& b) {
+  const VI src = _mm512_inserti32x4(_mm512_castsi128_si512(_mm_loadl_epi64((const __m128i*)r0)),
+                                    _mm_loadl_epi64((const __m128i*)r1), 1);
+  const VI z = _mm512_maskz_permutexvar_epi8((__mmask64)0x5555555555555555ULL, c.idx, src);
+  a = _mm512_permutexvar_epi16(_mm512_srlv_epi16(z, c.s0), c.tw);
+  b = _mm512_permutexvar_epi16(_mm512_srlv_epi16(z, c.s4), c.tw);
+}
+// acc + two bf16 products per lane (w: the same bf16 weight pair in every lane).
+static inline KVQ_PV_TARGET VF pv_dp(VF acc, VI w, VI v) {
+  return _mm512_dpbf16_ps(acc, (__m512bh)w, (__m512bh)v);
+}
+static inline VI pv_bcast(const uint16_t* p) {  // the dword at p (p[0], p[1]) in every lane
+  uint32_t x;
+  memcpy(&x, p, 4);
+  return _mm512_set1_epi32((int)x);
+}
+static inline VI pv_bcast1(const uint16_t* p) { return _mm512_set1_epi32((int)p[0]); }  // (p[0], 0)
 // 3-bit codes as stored, for qk_int3 (attn_body.h): only functions with KVQ_QK3_TARGET
 // run VBMI / VBMI2 instructions, and the driver sets AttnParams::qk3 on this path only when
 // the CPU has both, so the rest of this file stays runnable on AVX-512 CPUs without them.

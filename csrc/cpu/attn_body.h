@@ -12,7 +12,10 @@
 //   KVQ_HAS_QK3 (1: also ci_units3, ci_tab3, ci_fields3 and the KVQ_QK3_TARGET attribute,
 //   for qk_int3: 3-bit codes read as stored);
 //   for the outlier slots: VM, ci_* gathers and masks, vlut16, vtab, vtr4_store / vtr4_load
-//   (4 rows <-> W quads), vadd4.
+//   (4 rows <-> W quads), vadd4;
+//   KVQ_HAS_BF16DP (1: vdp_bf16, ci_loadu, KVQ_BF16_TARGET, for qk_bf16) and KVQ_HAS_PV_BF16
+//   (1: PvPairs, pv_pairs_init, pv_pairs4 / pv_pairs2, pv_dp, pv_bcast / pv_bcast1 and
+//   KVQ_PV_TARGET, for pv_bf16).
 //
 // Algorithm (per task = one sequence, one kv head, a tile of query tokens, a range of key
 // positions): the Q rows (all gq query heads of each query token, pre-scaled by
@@ -1409,6 +1412,85 @@ static void pv_fused_kind(KT<KIND, VEC, PERM>, int M, const float* P, const Tile
   else
     pv_fused_rows<KIND, VEC, PERM, false>(M, P, ts, a, b, D, acc, PS, ngs);
 }
+// Row counts pv_bf16 runs (MBp); 16 rows stay on pv_fused.
+static inline bool pv_bf16_rows(int MB) { return MB <= 4 || MB == 8; }
+#if KVQ_HAS_PV_BF16
+// pv_fused's FOLD for 4/2-bit values (int codes, nuq levels; permuted order) with bf16
+// weights: PW[(m * ngs + g) * SL + t] = bf16(P[m][t] * s[t][g]) (the caller's PS rounded),
+// two tokens per vdpbf16ps, their values as bf16 pairs through the codec's table
+// (pv_pairs4 / pv_pairs2: int codes < 16 are exact in bf16, nuq levels are rounded to it).
+// Half of pv_fused's FMAs. Taken for a bf16 query only (AttnParams::pv_bf16, attn_body's
+// caller): its output is rounded to bf16 anyway, as flash attention rounds its P to the
+// value dtype; KVQ_EXACT_PV=1 keeps the fp32 weights.
+template <int BITS, int MB, int DS, bool SINGLE>
+static inline KVQ_PV_TARGET void pv_bf16_pair(const PvPairs& c, const TileSrc& ts, int t,
+                                              int u0, const uint16_t* const* pw, int64_t rs,
+                                              VF (&x)[MB][2 * DS]) {
+  constexpr int STEP = BITS == 4 ? W : W / 2;  // code bytes per step of 2W channels
+  const uint8_t* r0 = ts.row[t];
+  const uint8_t* r1 = SINGLE ? r0 : ts.row[t + 1];
+  VI v[2 * DS];
+  for (int k = 0; k < DS; ++k) {
+    const int off = (u0 + k) * STEP;
+    if (BITS == 4) pv_pairs4(c, r0 + off, r1 + off, v[2 * k], v[2 * k + 1]);
+    else pv_pairs2(c, r0 + off, r1 + off, v[2 * k], v[2 * k + 1]);
+  }
+  for (int mi = 0; mi < MB; ++mi)
+    for (int k = 0; k < DS; ++k) {
+      const uint16_t* p = pw[k] + mi * rs + t;
+      const VI w = SINGLE ? pv_bcast1(p) : pv_bcast(p);  // one token: weight 0 beside it
+      x[mi][2 * k] = pv_dp(x[mi][2 * k], w, v[2 * k]);
+      x[mi][2 * k + 1] = pv_dp(x[mi][2 * k + 1], w, v[2 * k + 1]);
+    }
+}
+template <int BITS, int MB, int DS>
+static KVQ_PV_TARGET void pv_bf16_block(const PvPairs& c, const uint16_t* PW, const TileSrc& ts,
+                                        int a, int b, int D, int u0, float* acc, int ngs) {
+  constexpr int DC = 2 * DS;
+  float* base = acc + (int64_t)u0 * 2 * W;
+  VF x[MB][DC];
+  for (int mi = 0; mi < MB; ++mi)
+    for (int k = 0; k < DC; ++k) x[mi][k] = vload(base + (int64_t)mi * D + k * W);
+  const uint16_t* pw[DS];
+  for (int k = 0; k < DS; ++k) pw[k] = PW + (((u0 + k) * 2) >> ts.gshift) * SL;
+  const int64_t rs = (int64_t)ngs * SL;
+  RowStream* const next = ts.next;
+  int t = a;
+  while (t + 2 <= b) {  // runs of 16 tokens, the next tile's lines streamed between them
+    const int te = t + imin(16, (b - t) & ~1);
+    if (next) next->step(te - t);
+    for (; t < te; t += 2) pv_bf16_pair<BITS, MB, DS, false>(c, ts, t, u0, pw, rs, x);
+  }
+  if (t < b) pv_bf16_pair<BITS, MB, DS, true>(c, ts, t, u0, pw, rs, x);
+  for (int mi = 0; mi < MB; ++mi)
+    for (int k = 0; k < DC; ++k) vstore(base + (int64_t)mi * D + k * W, x[mi][k]);
+}
+template <int BITS, int MB>
+static KVQ_PV_TARGET void pv_bf16(const PvPairs& c, const uint16_t* PW, const TileSrc& ts, int a,
+                                  int b, int D, float* acc, int ngs) {
+  // MB * 2DS accumulators (<= 16: enough independent chains) + 2DS values + the constants
+  constexpr int DS = MB <= 2 ? 4 : MB <= 4 ? 2 : 1;
+  const int nsteps = D / (2 * W);
+  if (ts.next) ts.next->pace((int64_t)(nsteps / DS + nsteps % DS) * (b - a));
+  int u = 0;
+  for (; u + DS <= nsteps; u += DS) pv_bf16_block<BITS, MB, DS>(c, PW, ts, a, b, D, u, acc, ngs);
+  for (; u < nsteps; ++u) pv_bf16_block<BITS, MB, 1>(c, PW, ts, a, b, D, u, acc, ngs);
+}
+template <int BITS>
+static KVQ_PV_TARGET void pv_bf16_bits(int MB, const float* tab, const uint16_t* PW,
+                                       const TileSrc& ts, int a, int b, int D, float* acc,
+                                       int ngs) {
+  const PvPairs c = pv_pairs_init(BITS, tab);
+  switch (MB) {
+    case 1: pv_bf16<BITS, 1>(c, PW, ts, a, b, D, acc, ngs); return;
+    case 2: pv_bf16<BITS, 2>(c, PW, ts, a, b, D, acc, ngs); return;
+    case 3: pv_bf16<BITS, 3>(c, PW, ts, a, b, D, acc, ngs); return;
+    case 4: pv_bf16<BITS, 4>(c, PW, ts, a, b, D, acc, ngs); return;
+    default: pv_bf16<BITS, 8>(c, PW, ts, a, b, D, acc, ngs); return;
+  }
+}
+#endif
+
 template <int KIND, bool VEC, bool PERM>
 static void decode_tile_kind(KT<KIND, VEC, PERM>, const TileSrc& ts, int nt, int D, float* out) {
   decode_tile<KIND, VEC>(ts, nt, D, out);
@@ -1703,6 +1785,28 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   const int vng = P.vc.granularity == kvq::GRAN_GROUP ? D / P.vc.group : 1;
   if (vfold)  // rows >= M of the folded weights stay 0 (the kernels run MBp >= M rows)
     for (int64_t x = (int64_t)M * vng * SL; x < (int64_t)MBp * vng * SL; ++x) PS[x] = 0.0f;
+  // bf16 weights for the decode P.V of a bf16 query (pv_bf16), in PS's storage: PW rows
+  // indexed like PS's, rows >= M zero. Its table holds the codes (nuq: levels) minus their
+  // midpoint vmid, and the zero-point sums take z + vmid * s: the rounded weights then
+  // multiply values centred on the token's range, not up to twice its largest value.
+  const bool vbf = KVQ_HAS_PV_BF16 && vfold && vperm && T.decode && P.pv_bf16 &&
+                   P.dtype == DT_BF16 && pv_bf16_rows(MBp);
+  uint16_t* PW = (uint16_t*)PS;
+  [[maybe_unused]] float pvtab[16];
+  float vmid = 0.0f;
+  if (vbf) {
+    for (int64_t x = (int64_t)M * vng * SL; x < (int64_t)MBp * vng * SL; ++x) PW[x] = 0;
+    const int n = 1 << P.vc.bits;
+    float lmin = INFINITY, lmax = -INFINITY;
+    for (int i = 0; i < 16; ++i) {
+      pvtab[i] = P.vc.encoding == kvq::ENC_NUQ ? (P.v_levels ? P.v_levels[i % n] : 0.0f)
+                                               : (float)(i % n);
+      lmin = std::min(lmin, pvtab[i]);
+      lmax = std::max(lmax, pvtab[i]);
+    }
+    vmid = 0.5f * (lmin + lmax);
+    for (int i = 0; i < 16; ++i) pvtab[i] -= vmid;
+  }
   // Integer Q.K: only for finite query rows (a NaN/Inf query takes the exact path, which
   // propagates it like the reference).
   if (iqk) iqk = abs_max_or_nan(Q, (int64_t)M * D) <= 3.0e38f;  // NaN compares false
@@ -1926,6 +2030,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
           sT = vsT; zT = vzT; sstride = 0;
         }
         const bool full = a == 0 && b == nt && nt % W == 0;
+        const VF vmv = vset(vmid);
         for (int m = 0; m < M; ++m)
           for (int g = 0; g < vng; ++g) {
             const float* sg = sT + g * sstride;
@@ -1933,18 +2038,26 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
             float* ps = PS + ((int64_t)m * vng + g) * SL;
             const float* pr = S + m * SL;
             VF zs = vzero();
+            uint16_t* pw = PW + ((int64_t)m * vng + g) * SL;
             for (int t = 0; t < nt; t += W) {
               const VF pv = vload(pr + t);
-              vstore(ps + t, vmul(pv, vload(sg + t)));
-              if (full) zs = vfma(pv, vload(zg + t), zs);
+              if (vbf) st_bf16(pw + t, vmul(pv, vload(sg + t)));
+              else vstore(ps + t, vmul(pv, vload(sg + t)));
+              if (full) zs = vfma(pv, vfma(vmv, vload(sg + t), vload(zg + t)), zs);
             }
             float z = vhsum(zs);
             if (!full) {
               z = 0.0f;
-              for (int t = a; t < b; ++t) z += pr[t] * zg[t];
+              for (int t = a; t < b; ++t) z += pr[t] * (zg[t] + vmid * sg[t]);
             }
             zp[m * vng + g] = z;
           }
+#if KVQ_HAS_PV_BF16
+        if (vbf) {
+          if (P.vc.bits == 4) pv_bf16_bits<4>(MBp, pvtab, PW, vs, a, b, D, acc, vng);
+          else pv_bf16_bits<2>(MBp, pvtab, PW, vs, a, b, D, acc, vng);
+        } else
+#endif
         with_kind(P.vc, vperm,
                   [&](auto k) { pv_fused_kind(k, MBp, S, vs, a, b, D, acc, PS, vng); }, true);
         const int gsh = vs.gshift;
