@@ -449,12 +449,21 @@ static inline KVQ_PV_TARGET VI pv_tabw(const float* tab) {
 // Two tokens' code bytes as words: byte 0 of dword i = token 0's byte sel(i), byte 2 =
 // token 1's, bytes 1 and 3 zero (vpermb with a zeroing mask over src: token 0's bytes at
 // [0, 16), token 1's at [16, 32)).
+// bf16 values (bits 16): idx / s0 are vpermt2w's indices of channels [0, W) / [W, 2W).
 struct PvPairs {
   VI idx, s0, s4, tw;  // vpermb indices; per-word shifts of chunk a / b (2-bit); the table
 };
 static inline KVQ_PV_TARGET PvPairs pv_pairs_init(int bits, const float* tab) {
   alignas(64) uint8_t b[64];
   alignas(64) uint16_t s[32];
+  PvPairs p;
+  if (bits == 16) {
+    for (int i = 0; i < 32; ++i) s[i] = (uint16_t)(i / 2 + (i % 2 ? 32 : 0));
+    p.idx = _mm512_load_si512((const void*)s);
+    p.s0 = _mm512_add_epi16(p.idx, _mm512_set1_epi16(16));
+    p.s4 = p.tw = p.idx;
+    return p;
+  }
   for (int i = 0; i < 16; ++i) {
     const int sel = bits == 4 ? i : i % 8;
     b[4 * i] = (uint8_t)sel;
@@ -462,7 +471,6 @@ static inline KVQ_PV_TARGET PvPairs pv_pairs_init(int bits, const float* tab) {
     b[4 * i + 1] = b[4 * i + 3] = 0;
     s[2 * i] = s[2 * i + 1] = (uint16_t)(bits == 4 ? 0 : (i < 8 ? 0 : 2));
   }
-  PvPairs p;
   p.idx = _mm512_load_si512((const void*)b);
   p.s0 = _mm512_load_si512((const void*)s);
   p.s4 = _mm512_add_epi16(p.s0, _mm512_set1_epi16(4));
@@ -488,6 +496,13 @@ static inline KVQ_PV_TARGET void pv_pairs2(const PvPairs& c, const uint8_t* r0,
   const VI z = _mm512_maskz_permutexvar_epi8((__mmask64)0x5555555555555555ULL, c.idx, src);
   a = _mm512_permutexvar_epi16(_mm512_srlv_epi16(z, c.s0), c.tw);
   b = _mm512_permutexvar_epi16(_mm512_srlv_epi16(z, c.s4), c.tw);
+}
+// bf16 values: 2W of each token; a = channels [0, W), b = [W, 2W), natural order.
+static inline KVQ_PV_TARGET void pv_pairs16(const PvPairs& c, const uint8_t* r0,
+                                            const uint8_t* r1, VI& a, VI& b) {
+  const VI x0 = _mm512_loadu_si512((const void*)r0), x1 = _mm512_loadu_si512((const void*)r1);
+  a = _mm512_permutex2var_epi16(x0, c.idx, x1);
+  b = _mm512_permutex2var_epi16(x0, c.s0, x1);
 }
 // acc + two bf16 products per lane (w: the same bf16 weight pair in every lane).
 static inline KVQ_PV_TARGET VF pv_dp(VF acc, VI w, VI v) {

@@ -1426,13 +1426,14 @@ template <int BITS, int MB, int DS, bool SINGLE>
 static inline KVQ_PV_TARGET void pv_bf16_pair(const PvPairs& c, const TileSrc& ts, int t,
                                               int u0, const uint16_t* const* pw, int64_t rs,
                                               VF (&x)[MB][2 * DS]) {
-  constexpr int STEP = BITS == 4 ? W : W / 2;  // code bytes per step of 2W channels
+  constexpr int STEP = BITS == 16 ? 4 * W : BITS == 4 ? W : W / 2;  // bytes per step of 2W
   const uint8_t* r0 = ts.row[t];
   const uint8_t* r1 = SINGLE ? r0 : ts.row[t + 1];
   VI v[2 * DS];
   for (int k = 0; k < DS; ++k) {
     const int off = (u0 + k) * STEP;
-    if (BITS == 4) pv_pairs4(c, r0 + off, r1 + off, v[2 * k], v[2 * k + 1]);
+    if (BITS == 16) pv_pairs16(c, r0 + off, r1 + off, v[2 * k], v[2 * k + 1]);
+    else if (BITS == 4) pv_pairs4(c, r0 + off, r1 + off, v[2 * k], v[2 * k + 1]);
     else pv_pairs2(c, r0 + off, r1 + off, v[2 * k], v[2 * k + 1]);
   }
   for (int mi = 0; mi < MB; ++mi)
@@ -1791,6 +1792,9 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   // multiply values centred on the token's range, not up to twice its largest value.
   const bool vbf = KVQ_HAS_PV_BF16 && vfold && vperm && T.decode && P.pv_bf16 &&
                    P.dtype == DT_BF16 && pv_bf16_rows(MBp);
+  // bf16 values: the same with P itself (no scales, values as stored)
+  const bool vbv = KVQ_HAS_PV_BF16 && fused && T.decode && P.pv_bf16 && P.dtype == DT_BF16 &&
+                   P.vc.encoding == kvq::ENC_BF16 && D % (2 * W) == 0 && pv_bf16_rows(MBp);
   uint16_t* PW = (uint16_t*)PS;
   [[maybe_unused]] float pvtab[16];
   float vmid = 0.0f;
@@ -2066,6 +2070,13 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
             float* ar = acc + (int64_t)m * D + c * W;
             vstore(ar, vadd(vload(ar), vset(zp[m * vng + (c >> gsh)])));
           }
+      } else if (a < b && vbv) {
+#if KVQ_HAS_PV_BF16
+        // bf16 values: P rounded to bf16 (PW rows m * SL), 2 tokens per vdpbf16ps
+        for (int m = 0; m < MBp; ++m)
+          for (int t = a / W * W; t < b; t += W) st_bf16(PW + m * SL + t, vload(S + m * SL + t));
+        pv_bf16_bits<16>(MBp, nullptr, PW, vs, a, b, D, acc, 1);
+#endif
       } else if (a < b) {
         with_kind(P.vc, vperm,
                   [&](auto k) { pv_fused_kind(k, MBp, S, vs, a, b, D, acc); }, true);
