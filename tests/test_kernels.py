@@ -1019,7 +1019,8 @@ def test_bf16_query_on_bf16_keys(D, gq, monkeypatch):
 # row blocks pv_bf16 runs (1 to 4, 8) and 16 rows, which keep the fp32 weights
 PV_BF16_CASES = [("int4_group32", 64, 3), ("kivi2", 128, 4), ("int2_token", 128, 8),
                  ("nuq4", 256, 1), ("nuq2", 64, 2), ("kivi4", 128, 16), ("bf16", 128, 4),
-                 ("bf16", 256, 1), ("bf16", 80, 3)]
+                 ("bf16", 256, 1), ("bf16", 80, 3), ("nuq3", 128, 4), ("int3_group32", 64, 3),
+                 ("int3_group32", 96, 2)]
 
 
 def pv_bf16_runs(path: str, D: int, gq: int) -> bool:
@@ -1033,7 +1034,7 @@ def pv_bf16_runs(path: str, D: int, gq: int) -> bool:
 @pytest.mark.parametrize("name,D,gq", PV_BF16_CASES,
                          ids=[f"{n}-D{D}-gq{g}" for n, D, g in PV_BF16_CASES])
 def test_bf16_weights_in_the_decode_pv(name, D, gq, monkeypatch):
-    """A bf16 query's decode P.V of 4/2-bit values may take bf16 weights P * s (attn_body.h
+    """A bf16 query's decode P.V of 4/3/2-bit values may take bf16 weights P * s (attn_body.h
     pv_bf16: two tokens per vdpbf16ps, the values centred on their range), and of bf16
     values bf16 weights P (as flash attention rounds P to the value dtype); KVQ_EXACT_PV=1
     keeps the fp32 weights. Every path matches the references at bf16's tolerance either

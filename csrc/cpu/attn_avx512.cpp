@@ -434,9 +434,9 @@ static inline KVQ_BF16_TARGET VF vdp_bf16(VF acc, VI a, VI b) {
   return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
 }
 static inline VI ci_loadu(const void* p) { return _mm512_loadu_si512(p); }
-// bf16 weights for the decode P.V of 4/2-bit values (pv_bf16, attn_body.h): two tokens per
-// vdpbf16ps, lane i = (token 0's value, token 1's value) of one channel, the channels in
-// ld_u4x2 / ld_u2x2's order. Only KVQ_PV_TARGET functions run AVX512-BF16 / VBMI, and the
+// bf16 weights for the decode P.V of 4/3/2-bit and bf16 values (pv_bf16, attn_body.h): two
+// tokens per vdpbf16ps, lane i = (token 0's value, token 1's value) of one channel, the
+// channels in ld_u4x2 / ld_u2x2's order (4/2 bits) or natural (3, 16). Only KVQ_PV_TARGET functions run AVX512-BF16 / VBMI, and the
 // driver sets AttnParams::pv_bf16 on this path only when the CPU has both.
 #define KVQ_HAS_PV_BF16 1
 #define KVQ_PV_TARGET __attribute__((target("avx512bf16,avx512vbmi")))
@@ -446,44 +446,70 @@ static inline KVQ_PV_TARGET VI pv_tabw(const float* tab) {
   const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(tab));
   return _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
 }
-// Two tokens' code bytes as words: byte 0 of dword i = token 0's byte sel(i), byte 2 =
-// token 1's, bytes 1 and 3 zero (vpermb with a zeroing mask over src: token 0's bytes at
-// [0, 16), token 1's at [16, 32)).
-// bf16 values (bits 16): idx / s0 are vpermt2w's indices of channels [0, W) / [W, 2W).
+// A step's two tokens as bf16 pairs, per value width (bits): the constants of pv_pairs*.
+//  4 / 2: i0 spreads the two tokens' code bytes so that byte 0 of dword i is token 0's byte
+//         sel(i), byte 2 token 1's (vpermb with a zeroing mask over src: token 0's bytes at
+//         [0, 16), token 1's at [16, 32)); 2-bit: i1 / i2 the per-word shifts of chunk a / b.
+//  3:     i0 / i1 gather, for chunk a / b, the two bytes holding channels 2j, 2j+1 of each
+//         token into qword j (token 0: bytes 0-1, token 1: bytes 2-3); i2 the bit offsets
+//         vpmultishiftqb takes each code from (words 0 / 1: channel 2j, words 2 / 3: 2j+1).
+//  16:    i0 / i1 vpermt2w's indices of channels [0, W) / [W, 2W).
+// tw: the value table (codes or levels, 32 words, vpermw reads an index's low 5 bits).
 struct PvPairs {
-  VI idx, s0, s4, tw;  // vpermb indices; per-word shifts of chunk a / b (2-bit); the table
+  VI i0, i1, i2, tw;
 };
 static inline KVQ_PV_TARGET PvPairs pv_pairs_init(int bits, const float* tab) {
-  alignas(64) uint8_t b[64];
+  alignas(64) uint8_t b0[64], b1[64], b2[64];
   alignas(64) uint16_t s[32];
   PvPairs p;
   if (bits == 16) {
     for (int i = 0; i < 32; ++i) s[i] = (uint16_t)(i / 2 + (i % 2 ? 32 : 0));
-    p.idx = _mm512_load_si512((const void*)s);
-    p.s0 = _mm512_add_epi16(p.idx, _mm512_set1_epi16(16));
-    p.s4 = p.tw = p.idx;
+    p.i0 = _mm512_load_si512((const void*)s);
+    p.i1 = _mm512_add_epi16(p.i0, _mm512_set1_epi16(16));
+    p.i2 = p.tw = p.i0;
+    return p;
+  }
+  if (bits == 3) {
+    for (int j = 0; j < 8; ++j) {
+      const int B = 6 * j / 8, r = 6 * j % 8;  // channels 2j, 2j+1: bits 6j .. 6j+5
+      const uint8_t ia[8] = {(uint8_t)B, (uint8_t)(B + 1), (uint8_t)(16 + B), (uint8_t)(17 + B),
+                             0, 0, 0, 0};
+      const uint8_t sh[8] = {(uint8_t)r, 0, (uint8_t)(16 + r), 0, (uint8_t)(r + 3), 0,
+                             (uint8_t)(19 + r), 0};
+      for (int k = 0; k < 8; ++k) {
+        b0[8 * j + k] = ia[k];
+        b1[8 * j + k] = k < 4 ? (uint8_t)(ia[k] + 6) : 0;  // channels 16 + 2j: 6 bytes on
+        b2[8 * j + k] = sh[k];
+      }
+    }
+    p.i0 = _mm512_load_si512((const void*)b0);
+    p.i1 = _mm512_load_si512((const void*)b1);
+    p.i2 = _mm512_load_si512((const void*)b2);
+    p.tw = pv_tabw(tab);
     return p;
   }
   for (int i = 0; i < 16; ++i) {
     const int sel = bits == 4 ? i : i % 8;
-    b[4 * i] = (uint8_t)sel;
-    b[4 * i + 2] = (uint8_t)(16 + sel);
-    b[4 * i + 1] = b[4 * i + 3] = 0;
+    b0[4 * i] = (uint8_t)sel;
+    b0[4 * i + 2] = (uint8_t)(16 + sel);
+    b0[4 * i + 1] = b0[4 * i + 3] = 0;
     s[2 * i] = s[2 * i + 1] = (uint16_t)(bits == 4 ? 0 : (i < 8 ? 0 : 2));
   }
-  p.idx = _mm512_load_si512((const void*)b);
-  p.s0 = _mm512_load_si512((const void*)s);
-  p.s4 = _mm512_add_epi16(p.s0, _mm512_set1_epi16(4));
+  p.i0 = _mm512_load_si512((const void*)b0);
+  p.i1 = _mm512_load_si512((const void*)s);
+  p.i2 = _mm512_add_epi16(p.i1, _mm512_set1_epi16(4));
   p.tw = pv_tabw(tab);
   return p;
 }
+static inline VI pv_src(__m128i x0, __m128i x1) {  // x0 in bytes [0, 16), x1 in [16, 32)
+  return _mm512_inserti32x4(_mm512_castsi128_si512(x0), x1, 1);
+}
 // 4-bit: W bytes (2W channels) of each token; a = low nibbles (even channels), b = high
-// (vpermw reads an index's low 5 bits: the bit above a low nibble picks a copy of its entry).
+// (the bit above a low nibble picks a copy of its table entry).
 static inline KVQ_PV_TARGET void pv_pairs4(const PvPairs& c, const uint8_t* r0,
                                            const uint8_t* r1, VI& a, VI& b) {
-  const VI src = _mm512_inserti32x4(_mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)r0)),
-                                    _mm_loadu_si128((const __m128i*)r1), 1);
-  const VI z = _mm512_maskz_permutexvar_epi8((__mmask64)0x5555555555555555ULL, c.idx, src);
+  const VI src = pv_src(_mm_loadu_si128((const __m128i*)r0), _mm_loadu_si128((const __m128i*)r1));
+  const VI z = _mm512_maskz_permutexvar_epi8((__mmask64)0x5555555555555555ULL, c.i0, src);
   a = _mm512_permutexvar_epi16(z, c.tw);
   b = _mm512_permutexvar_epi16(_mm512_srli_epi16(z, 4), c.tw);
 }
@@ -491,18 +517,30 @@ static inline KVQ_PV_TARGET void pv_pairs4(const PvPairs& c, const uint8_t* r0,
 // a = bit pairs 0 | 1, b = 2 | 3 (ld_x2x2's order; the table repeats every 4 entries).
 static inline KVQ_PV_TARGET void pv_pairs2(const PvPairs& c, const uint8_t* r0,
                                            const uint8_t* r1, VI& a, VI& b) {
-  const VI src = _mm512_inserti32x4(_mm512_castsi128_si512(_mm_loadl_epi64((const __m128i*)r0)),
-                                    _mm_loadl_epi64((const __m128i*)r1), 1);
-  const VI z = _mm512_maskz_permutexvar_epi8((__mmask64)0x5555555555555555ULL, c.idx, src);
-  a = _mm512_permutexvar_epi16(_mm512_srlv_epi16(z, c.s0), c.tw);
-  b = _mm512_permutexvar_epi16(_mm512_srlv_epi16(z, c.s4), c.tw);
+  const VI src = pv_src(_mm_loadl_epi64((const __m128i*)r0), _mm_loadl_epi64((const __m128i*)r1));
+  const VI z = _mm512_maskz_permutexvar_epi8((__mmask64)0x5555555555555555ULL, c.i0, src);
+  a = _mm512_permutexvar_epi16(_mm512_srlv_epi16(z, c.i1), c.tw);
+  b = _mm512_permutexvar_epi16(_mm512_srlv_epi16(z, c.i2), c.tw);
+}
+// 3-bit: 3W/4 bytes (8 codes per 3 bytes, code i at bits 3i..3i+2) of each token, read by
+// masked loads (nothing past them); a = channels [0, W), b = [W, 2W), natural order (the
+// table repeats every 8 entries, the 2 bits above a code pick a copy).
+static inline KVQ_PV_TARGET void pv_pairs3(const PvPairs& c, const uint8_t* r0,
+                                           const uint8_t* r1, VI& a, VI& b) {
+  const VI src = pv_src(_mm_maskz_loadu_epi8((__mmask16)0x0FFF, r0),
+                        _mm_maskz_loadu_epi8((__mmask16)0x0FFF, r1));
+  const __mmask64 w0 = (__mmask64)0x5555555555555555ULL;  // each word's low byte
+  a = _mm512_permutexvar_epi16(
+      _mm512_maskz_multishift_epi64_epi8(w0, c.i2, _mm512_permutexvar_epi8(c.i0, src)), c.tw);
+  b = _mm512_permutexvar_epi16(
+      _mm512_maskz_multishift_epi64_epi8(w0, c.i2, _mm512_permutexvar_epi8(c.i1, src)), c.tw);
 }
 // bf16 values: 2W of each token; a = channels [0, W), b = [W, 2W), natural order.
 static inline KVQ_PV_TARGET void pv_pairs16(const PvPairs& c, const uint8_t* r0,
                                             const uint8_t* r1, VI& a, VI& b) {
   const VI x0 = _mm512_loadu_si512((const void*)r0), x1 = _mm512_loadu_si512((const void*)r1);
-  a = _mm512_permutex2var_epi16(x0, c.idx, x1);
-  b = _mm512_permutex2var_epi16(x0, c.s0, x1);
+  a = _mm512_permutex2var_epi16(x0, c.i0, x1);
+  b = _mm512_permutex2var_epi16(x0, c.i1, x1);
 }
 // acc + two bf16 products per lane (w: the same bf16 weight pair in every lane).
 static inline KVQ_PV_TARGET VF pv_dp(VF acc, VI w, VI v) {

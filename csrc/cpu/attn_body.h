@@ -14,7 +14,7 @@
 //   for the outlier slots: VM, ci_* gathers and masks, vlut16, vtab, vtr4_store / vtr4_load
 //   (4 rows <-> W quads), vadd4;
 //   KVQ_HAS_BF16DP (1: vdp_bf16, ci_loadu, KVQ_BF16_TARGET, for qk_bf16) and KVQ_HAS_PV_BF16
-//   (1: PvPairs, pv_pairs_init, pv_pairs4 / pv_pairs2, pv_dp, pv_bcast / pv_bcast1 and
+//   (1: PvPairs, pv_pairs_init, pv_pairs4 / pv_pairs3 / pv_pairs2 / pv_pairs16, pv_dp, pv_bcast / pv_bcast1 and
 //   KVQ_PV_TARGET, for pv_bf16).
 //
 // Algorithm (per task = one sequence, one kv head, a tile of query tokens, a range of key
@@ -1414,11 +1414,16 @@ static void pv_fused_kind(KT<KIND, VEC, PERM>, int M, const float* P, const Tile
 }
 // Row counts pv_bf16 runs (MBp); 16 rows stay on pv_fused.
 static inline bool pv_bf16_rows(int MB) { return MB <= 4 || MB == 8; }
+// 3-bit values pv_bf16 reads (4/2-bit ones: can_perm's): 2W channels a step, one scale each.
+static inline bool pv_bf16_3bit(const kvq::Codec& c, int D) {
+  return c.bits == 3 && (c.encoding == kvq::ENC_INT || c.encoding == kvq::ENC_NUQ) &&
+         D % (2 * W) == 0 && (c.granularity != kvq::GRAN_GROUP || c.group % (2 * W) == 0);
+}
 #if KVQ_HAS_PV_BF16
-// pv_fused's FOLD for 4/2-bit values (int codes, nuq levels; permuted order) with bf16
+// pv_fused's FOLD for 4/3/2-bit values (int codes, nuq levels; 4/2 bits permuted) with bf16
 // weights: PW[(m * ngs + g) * SL + t] = bf16(P[m][t] * s[t][g]) (the caller's PS rounded),
 // two tokens per vdpbf16ps, their values as bf16 pairs through the codec's table
-// (pv_pairs4 / pv_pairs2: int codes < 16 are exact in bf16, nuq levels are rounded to it).
+// (pv_pairs4 / 3 / 2: int codes < 16 are exact in bf16, nuq levels are rounded to it).
 // Half of pv_fused's FMAs. Taken for a bf16 query only (AttnParams::pv_bf16, attn_body's
 // caller): its output is rounded to bf16 anyway, as flash attention rounds its P to the
 // value dtype; KVQ_EXACT_PV=1 keeps the fp32 weights.
@@ -1426,7 +1431,7 @@ template <int BITS, int MB, int DS, bool SINGLE>
 static inline KVQ_PV_TARGET void pv_bf16_pair(const PvPairs& c, const TileSrc& ts, int t,
                                               int u0, const uint16_t* const* pw, int64_t rs,
                                               VF (&x)[MB][2 * DS]) {
-  constexpr int STEP = BITS == 16 ? 4 * W : BITS == 4 ? W : W / 2;  // bytes per step of 2W
+  constexpr int STEP = BITS == 16 ? 4 * W : BITS * W / 4;  // bytes per step of 2W channels
   const uint8_t* r0 = ts.row[t];
   const uint8_t* r1 = SINGLE ? r0 : ts.row[t + 1];
   VI v[2 * DS];
@@ -1434,6 +1439,7 @@ static inline KVQ_PV_TARGET void pv_bf16_pair(const PvPairs& c, const TileSrc& t
     const int off = (u0 + k) * STEP;
     if (BITS == 16) pv_pairs16(c, r0 + off, r1 + off, v[2 * k], v[2 * k + 1]);
     else if (BITS == 4) pv_pairs4(c, r0 + off, r1 + off, v[2 * k], v[2 * k + 1]);
+    else if (BITS == 3) pv_pairs3(c, r0 + off, r1 + off, v[2 * k], v[2 * k + 1]);
     else pv_pairs2(c, r0 + off, r1 + off, v[2 * k], v[2 * k + 1]);
   }
   for (int mi = 0; mi < MB; ++mi)
@@ -1790,8 +1796,8 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   // indexed like PS's, rows >= M zero. Its table holds the codes (nuq: levels) minus their
   // midpoint vmid, and the zero-point sums take z + vmid * s: the rounded weights then
   // multiply values centred on the token's range, not up to twice its largest value.
-  const bool vbf = KVQ_HAS_PV_BF16 && vfold && vperm && T.decode && P.pv_bf16 &&
-                   P.dtype == DT_BF16 && pv_bf16_rows(MBp);
+  const bool vbf = KVQ_HAS_PV_BF16 && vfold && T.decode && P.pv_bf16 && P.dtype == DT_BF16 &&
+                   pv_bf16_rows(MBp) && (vperm || pv_bf16_3bit(P.vc, D));
   // bf16 values: the same with P itself (no scales, values as stored)
   const bool vbv = KVQ_HAS_PV_BF16 && fused && T.decode && P.pv_bf16 && P.dtype == DT_BF16 &&
                    P.vc.encoding == kvq::ENC_BF16 && D % (2 * W) == 0 && pv_bf16_rows(MBp);
@@ -2059,6 +2065,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
 #if KVQ_HAS_PV_BF16
         if (vbf) {
           if (P.vc.bits == 4) pv_bf16_bits<4>(MBp, pvtab, PW, vs, a, b, D, acc, vng);
+          else if (P.vc.bits == 3) pv_bf16_bits<3>(MBp, pvtab, PW, vs, a, b, D, acc, vng);
           else pv_bf16_bits<2>(MBp, pvtab, PW, vs, a, b, D, acc, vng);
         } else
 #endif
