@@ -551,6 +551,11 @@ static inline VI pv_bcast(const uint16_t* p) {  // the dword at p (p[0], p[1]) i
   memcpy(&x, p, 4);
   return _mm512_set1_epi32((int)x);
 }
+// W floats -> W bf16 (round to nearest even; pv_bf16's weights are finite or NaN, and a NaN
+// stays a NaN)
+static inline KVQ_PV_TARGET void pv_store_bf16(uint16_t* p, VF x) {
+  _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(x));
+}
 static inline VI pv_bcast1(const uint16_t* p) { return _mm512_set1_epi32((int)p[0]); }  // (p[0], 0)
 // 3-bit codes as stored, for qk_int3 (attn_body.h): only functions with KVQ_QK3_TARGET
 // run VBMI / VBMI2 instructions, and the driver sets AttnParams::qk3 on this path only when

@@ -14,7 +14,7 @@
 //   for the outlier slots: VM, ci_* gathers and masks, vlut16, vtab, vtr4_store / vtr4_load
 //   (4 rows <-> W quads), vadd4;
 //   KVQ_HAS_BF16DP (1: vdp_bf16, ci_loadu, KVQ_BF16_TARGET, for qk_bf16) and KVQ_HAS_PV_BF16
-//   (1: PvPairs, pv_pairs_init, pv_pairs4 / pv_pairs3 / pv_pairs2 / pv_pairs16, pv_dp, pv_bcast / pv_bcast1 and
+//   (1: PvPairs, pv_pairs_init, pv_pairs4 / pv_pairs3 / pv_pairs2 / pv_pairs16, pv_dp, pv_bcast / pv_bcast1, pv_store_bf16 and
 //   KVQ_PV_TARGET, for pv_bf16).
 //
 // Algorithm (per task = one sequence, one kv head, a tile of query tokens, a range of key
@@ -1450,6 +1450,39 @@ static inline KVQ_PV_TARGET void pv_bf16_pair(const PvPairs& c, const TileSrc& t
       x[mi][2 * k + 1] = pv_dp(x[mi][2 * k + 1], w, v[2 * k + 1]);
     }
 }
+// pv_bf16's weights of rows [0, M) with ng scale groups: PW[(m * ng + g) * SL + t] =
+// bf16(P[m][t] * s[t][g]), t in [0, nt) (W at a time; sT / zT rows g * sstride), and for a
+// full tile zp[m * ng + g] = sum_t P[m][t] * (z[t][g] + mid * s[t][g]) (W sums per vreduce).
+static KVQ_PV_TARGET void pv_bf16_weights(const float* S, int M, int ng, const float* sT,
+                                          const float* zT, int sstride, int nt, bool full,
+                                          float mid, uint16_t* PW, float* zp) {
+  const VF vm = vset(mid);
+  VF zs[W];
+  int n = 0, r0 = 0;  // sums pending, the first row-group they belong to
+  for (int m = 0; m < M; ++m)
+    for (int g = 0; g < ng; ++g) {
+      const float* sg = sT + g * sstride;
+      const float* zg = zT + g * sstride;
+      const float* pr = S + m * SL;
+      uint16_t* pw = PW + ((int64_t)m * ng + g) * SL;
+      VF z = vzero();
+      for (int t = 0; t < nt; t += W) {
+        const VF pv = vload(pr + t), sv = vload(sg + t);
+        pv_store_bf16(pw + t, vmul(pv, sv));
+        if (full) z = vfma(pv, vfma(vm, sv, vload(zg + t)), z);
+      }
+      if (!full) continue;
+      zs[n++] = z;
+      if (n == W || (m == M - 1 && g == ng - 1)) {
+        for (int i = n; i < W; ++i) zs[i] = vzero();
+        float tmp[W];
+        vstore(tmp, vreduce(zs));
+        for (int i = 0; i < n; ++i) zp[r0 + i] = tmp[i];
+        r0 += n;
+        n = 0;
+      }
+    }
+}
 template <int BITS, int MB, int DS>
 static KVQ_PV_TARGET void pv_bf16_block(const PvPairs& c, const uint16_t* PW, const TileSrc& ts,
                                         int a, int b, int D, int u0, float* acc, int ngs) {
@@ -2040,27 +2073,29 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
           sT = vsT; zT = vzT; sstride = 0;
         }
         const bool full = a == 0 && b == nt && nt % W == 0;
-        const VF vmv = vset(vmid);
+#if KVQ_HAS_PV_BF16
+        if (vbf) pv_bf16_weights(S, M, vng, sT, zT, sstride, nt, full, vmid, PW, zp);
+#endif
         for (int m = 0; m < M; ++m)
           for (int g = 0; g < vng; ++g) {
             const float* sg = sT + g * sstride;
             const float* zg = zT + g * sstride;
-            float* ps = PS + ((int64_t)m * vng + g) * SL;
             const float* pr = S + m * SL;
-            VF zs = vzero();
-            uint16_t* pw = PW + ((int64_t)m * vng + g) * SL;
-            for (int t = 0; t < nt; t += W) {
-              const VF pv = vload(pr + t);
-              if (vbf) st_bf16(pw + t, vmul(pv, vload(sg + t)));
-              else vstore(ps + t, vmul(pv, vload(sg + t)));
-              if (full) zs = vfma(pv, vfma(vmv, vload(sg + t), vload(zg + t)), zs);
+            if (!vbf) {
+              float* ps = PS + ((int64_t)m * vng + g) * SL;
+              VF zs = vzero();
+              for (int t = 0; t < nt; t += W) {
+                const VF pv = vload(pr + t);
+                vstore(ps + t, vmul(pv, vload(sg + t)));
+                if (full) zs = vfma(pv, vload(zg + t), zs);
+              }
+              zp[m * vng + g] = vhsum(zs);
             }
-            float z = vhsum(zs);
             if (!full) {
-              z = 0.0f;
+              float z = 0.0f;
               for (int t = a; t < b; ++t) z += pr[t] * (zg[t] + vmid * sg[t]);
+              zp[m * vng + g] = z;
             }
-            zp[m * vng + g] = z;
           }
 #if KVQ_HAS_PV_BF16
         if (vbf) {
