@@ -989,6 +989,18 @@ def test_attention_int8_query(name, D, gq):
                 os.environ["KVQ_EXACT_QK"] = old
 
 
+def fast_and_exact(c, path, exact_var, ref, monkeypatch, what):
+    """A bf16 case's output on one path as it runs and with exact_var=1 (that approximation
+    off), each matched against ref (a tensor or run_refs' list) at bf16's tolerance."""
+    out = run_mine(c, path)
+    assert_attn_close(out, ref, torch.bfloat16, what=what)
+    monkeypatch.setenv(exact_var, "1")
+    exact = run_mine(c, path)
+    monkeypatch.delenv(exact_var)
+    assert_attn_close(exact, ref, torch.bfloat16, what=f"{what} exact")
+    return out, exact
+
+
 # (head_dim, gq): vdpbf16ps reads 32 channels a step (80: not a multiple, the fp32 FMAs stay);
 # 1 to 16 query rows per kv head (qk_bf16's row blocks 1, 3, 4, 8, 16)
 BF16DP_CASES = [(64, 3), (96, 8), (128, 4), (256, 1), (128, 16), (80, 3)]
@@ -1007,12 +1019,7 @@ def test_bf16_query_on_bf16_keys(D, gq, monkeypatch):
                    seqs=[(300, 1), (97, 1), (45, 1)], seed=_seed("bf16dp", D, gq))
     ref = run_ref(c)
     for path in PATHS:
-        out = run_mine(c, path)
-        assert_attn_close(out, ref, torch.bfloat16, what=f"D{D} gq{gq} {path}")
-        monkeypatch.setenv("KVQ_EXACT_QK", "1")
-        fma = run_mine(c, path)
-        monkeypatch.delenv("KVQ_EXACT_QK")
-        assert_attn_close(fma, ref, torch.bfloat16, what=f"D{D} gq{gq} {path} exact")
+        fast_and_exact(c, path, "KVQ_EXACT_QK", ref, monkeypatch, f"D{D} gq{gq} {path}")
 
 
 # (format, head_dim, gq): 4/2-bit int and nuq values with per-token / per-group scales; the
@@ -1050,12 +1057,7 @@ def test_bf16_weights_in_the_decode_pv(name, D, gq, monkeypatch):
                    seed=_seed("pvbf16", name, D, gq))
     refs = run_refs(c)
     for path in PATHS:
-        out = run_mine(c, path)
-        assert_attn_close(out, refs, torch.bfloat16, what=f"{name} {path}")
-        monkeypatch.setenv("KVQ_EXACT_PV", "1")
-        exact = run_mine(c, path)
-        monkeypatch.delenv("KVQ_EXACT_PV")
-        assert_attn_close(exact, refs, torch.bfloat16, what=f"{name} {path} exact")
+        out, exact = fast_and_exact(c, path, "KVQ_EXACT_PV", refs, monkeypatch, f"{name} {path}")
         if not pv_bf16_runs(path, D, gq):
             assert torch.equal(out, exact), f"{name} {path}"
             continue
