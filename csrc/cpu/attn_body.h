@@ -1997,8 +1997,11 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
         qk_int_kind(kbits, false, MBq, q8, D, ks, t, e, 0, nullptr, S, klut);
         for (int m = 0; m < M; ++m) {  // locals: through qsc/zsum (may alias S) it was scalar
           const float a = qsc[m], b = zsum[m];
+          const VF va = vset(a), vb = vset(b);
           float* sm = S + m * SL;
-          for (int u = t; u < e; ++u) sm[u] = sm[u] * a + b;
+          int u = t;
+          for (; u + W <= e; u += W) vstore(sm + u, vfma(vload(sm + u), va, vb));
+          for (; u < e; ++u) sm[u] = sm[u] * a + b;
         }
         t = e;
       }
