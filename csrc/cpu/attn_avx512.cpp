@@ -436,12 +436,13 @@ static inline KVQ_BF16_TARGET VF vdp_bf16(VF acc, VI a, VI b) {
 static inline VI ci_loadu(const void* p) { return _mm512_loadu_si512(p); }
 // bf16 weights for the decode P.V of 4/3/2-bit and bf16 values (pv_bf16, attn_body.h): two
 // tokens per vdpbf16ps, lane i = (token 0's value, token 1's value) of one channel, the
-// channels in ld_u4x2 / ld_u2x2's order (4/2 bits) or natural (3, 16). Only KVQ_PV_TARGET functions run AVX512-BF16 / VBMI, and the
-// driver sets AttnParams::pv_bf16 on this path only when the CPU has both.
+// channels in ld_u4x2 / ld_u2x2's order (4/2 bits) or natural (3, 16). Only KVQ_PV_TARGET
+// functions run AVX512-BF16 / VBMI, and the driver sets AttnParams::pv_bf16 on this path
+// only when the CPU has both.
 #define KVQ_HAS_PV_BF16 1
 #define KVQ_PV_TARGET __attribute__((target("avx512bf16,avx512vbmi")))
-// 16 floats (ld_x4x2's table: int codes or nuq levels) -> 32 words, word i = bf16 of tab[i &
-// 15], round to nearest even (small integer codes are exact).
+// 16 floats (pv_bf16's table: int codes or nuq levels, minus their midpoint) -> 32 words,
+// word i = bf16 of tab[i & 15], round to nearest even (int codes - mid are exact).
 static inline KVQ_PV_TARGET VI pv_tabw(const float* tab) {
   const __m256i h = (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(tab));
   return _mm512_inserti64x4(_mm512_castsi256_si512(h), h, 1);
@@ -556,7 +557,8 @@ static inline VI pv_bcast(const uint16_t* p) {  // the dword at p (p[0], p[1]) i
 static inline KVQ_PV_TARGET void pv_store_bf16(uint16_t* p, VF x) {
   _mm256_storeu_si256((__m256i*)p, (__m256i)_mm512_cvtneps_pbh(x));
 }
-static inline VI pv_bcast1(const uint16_t* p) { return _mm512_set1_epi32((int)p[0]); }  // (p[0], 0)
+// (p[0], 0) in every lane: a lone token's weight, its pair's partner weighted 0
+static inline VI pv_bcast1(const uint16_t* p) { return _mm512_set1_epi32((int)p[0]); }
 // 3-bit codes as stored, for qk_int3 (attn_body.h): only functions with KVQ_QK3_TARGET
 // run VBMI / VBMI2 instructions, and the driver sets AttnParams::qk3 on this path only when
 // the CPU has both, so the rest of this file stays runnable on AVX-512 CPUs without them.

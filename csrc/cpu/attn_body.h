@@ -14,8 +14,8 @@
 //   for the outlier slots: VM, ci_* gathers and masks, vlut16, vtab, vtr4_store / vtr4_load
 //   (4 rows <-> W quads), vadd4;
 //   KVQ_HAS_BF16DP (1: vdp_bf16, ci_loadu, KVQ_BF16_TARGET, for qk_bf16) and KVQ_HAS_PV_BF16
-//   (1: PvPairs, pv_pairs_init, pv_pairs4 / pv_pairs3 / pv_pairs2 / pv_pairs16, pv_dp, pv_bcast / pv_bcast1, pv_store_bf16 and
-//   KVQ_PV_TARGET, for pv_bf16).
+//   (1: PvPairs, pv_pairs_init, pv_pairs4 / 3 / 2 / 16, pv_dp, pv_bcast / pv_bcast1,
+//   pv_store_bf16 and KVQ_PV_TARGET, for pv_bf16).
 //
 // Algorithm (per task = one sequence, one kv head, a tile of query tokens, a range of key
 // positions): the Q rows (all gq query heads of each query token, pre-scaled by
