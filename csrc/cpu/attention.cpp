@@ -112,6 +112,26 @@ std::vector<int32_t> to_i32(const at::Tensor& t, const char* what) {
 std::string simd_path() { return path_name(current_path()); }
 int simd_level() { return (int)current_path(); }
 
+// An environment switch: set, non-empty and not "0".
+static bool env_flag(const char* name) {
+  const char* e = std::getenv(name);
+  return e && *e && std::string(e) != "0";
+}
+// The CPU features the AVX-512 body's optional paths need, read once.
+struct CpuFeatures {
+  bool vnni, vbmi, vbmi2, bf16;
+};
+static const CpuFeatures& cpu_features() {
+  static const CpuFeatures f = [] {
+    __builtin_cpu_init();
+    return CpuFeatures{(bool)__builtin_cpu_supports("avx512vnni"),
+                       (bool)__builtin_cpu_supports("avx512vbmi"),
+                       (bool)__builtin_cpu_supports("avx512vbmi2"),
+                       (bool)__builtin_cpu_supports("avx512bf16")};
+  }();
+  return f;
+}
+
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& cache,
                      const at::Tensor& block_table, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, const at::Tensor& staging_k,
@@ -322,40 +342,23 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
 
   const Path path = current_path();
   const TaskFn fn = task_fn(path);
-  // Integer Q.K of int keys (attn_body.h): on by default; KVQ_EXACT_QK=1 keeps the exact
-  // fp32 Q.K (read on every call, like KVQ_SIMD). The AVX-512 body uses vpdpbusd.
+  // The kernel's CPU-dependent paths (attn_body.h), on by default; KVQ_EXACT_QK=1 /
+  // KVQ_EXACT_PV=1 keep the exact fp32 Q.K / P.V weights (read on every call, like KVQ_SIMD).
   {
-    const char* e = std::getenv("KVQ_EXACT_QK");
-    const bool exact = e && *e && std::string(e) != "0";
-    static const bool vnni = [] {
-      __builtin_cpu_init();
-      return (bool)__builtin_cpu_supports("avx512vnni");
-    }();
-    P.int_qk = !exact && (path != PATH_AVX512 || vnni) ? 1 : 0;
+    const bool exact = env_flag("KVQ_EXACT_QK"), exact_pv = env_flag("KVQ_EXACT_PV");
+    const CpuFeatures& cpu = cpu_features();
+    const bool avx512 = path == PATH_AVX512;
+    // integer Q.K of int keys: the AVX-512 body uses vpdpbusd
+    P.int_qk = !exact && (!avx512 || cpu.vnni) ? 1 : 0;
     // 3-bit codes read as stored: the AVX-512 body's qk_int3 needs VBMI (vpmultishiftqb,
     // vpermb) and VBMI2 (vpshrdd); the scalar body states the same arithmetic in C; the
     // AVX2 body has no such path (it repacks int3 rows, nuq3 keys stay on the fp32 Q.K).
-    static const bool vbmi = [] {
-      __builtin_cpu_init();
-      return __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512vbmi2");
-    }();
-    P.qk3 = path == PATH_SCALAR || (path == PATH_AVX512 && vbmi) ? 1 : 0;
-    // bf16 keys x a bf16 query by vdpbf16ps (attn_body.h qk_bf16): AVX-512 path with
-    // AVX512-BF16; KVQ_EXACT_QK=1 keeps the fp32 FMAs here too.
-    static const bool avx512bf16 = [] {
-      __builtin_cpu_init();
-      return (bool)__builtin_cpu_supports("avx512bf16");
-    }();
-    P.bf16dp = !exact && path == PATH_AVX512 && avx512bf16 ? 1 : 0;
-    // bf16 weights in a bf16 query's decode P.V of 4/2-bit values (attn_body.h pv_bf16):
-    // AVX-512 path with AVX512-BF16 and VBMI; KVQ_EXACT_PV=1 keeps the fp32 weights.
-    const char* ev = std::getenv("KVQ_EXACT_PV");
-    const bool exact_pv = ev && *ev && std::string(ev) != "0";
-    static const bool vbmi1 = [] {
-      __builtin_cpu_init();
-      return (bool)__builtin_cpu_supports("avx512vbmi");
-    }();
-    P.pv_bf16 = !exact_pv && path == PATH_AVX512 && avx512bf16 && vbmi1 ? 1 : 0;
+    P.qk3 = path == PATH_SCALAR || (avx512 && cpu.vbmi && cpu.vbmi2) ? 1 : 0;
+    // bf16 keys x a bf16 query by vdpbf16ps (qk_bf16); KVQ_EXACT_QK=1 keeps the fp32 FMAs
+    P.bf16dp = !exact && avx512 && cpu.bf16 ? 1 : 0;
+    // bf16 weights in a bf16 query's decode P.V of 4/3/2-bit and bf16 values (pv_bf16):
+    // vdpbf16ps and VBMI's vpermb / vpmultishiftqb
+    P.pv_bf16 = !exact_pv && avx512 && cpu.bf16 && cpu.vbmi ? 1 : 0;
   }
   const int64_t nwork = (int64_t)work.size();
   const int nthr = (int)std::min<int64_t>(nthreads, nwork);

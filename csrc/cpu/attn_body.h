@@ -1451,8 +1451,9 @@ static inline KVQ_PV_TARGET void pv_bf16_pair(const PvPairs& c, const TileSrc& t
     }
 }
 // pv_bf16's weights of rows [0, M) with ng scale groups: PW[(m * ng + g) * SL + t] =
-// bf16(P[m][t] * s[t][g]), t in [0, nt) (W at a time; sT / zT rows g * sstride), and for a
-// full tile zp[m * ng + g] = sum_t P[m][t] * (z[t][g] + mid * s[t][g]) (W sums per vreduce).
+// bf16(P[m][t] * s[t][g]), t in [0, nt) (W at a time; sT / zT rows g * sstride; no sT:
+// bf16(P[m][t]), the weights of bf16 values), and for a full tile zp[m * ng + g] =
+// sum_t P[m][t] * (z[t][g] + mid * s[t][g]) (W sums per vreduce).
 static KVQ_PV_TARGET void pv_bf16_weights(const float* S, int M, int ng, const float* sT,
                                           const float* zT, int sstride, int nt, bool full,
                                           float mid, uint16_t* PW, float* zp) {
@@ -1467,7 +1468,12 @@ static KVQ_PV_TARGET void pv_bf16_weights(const float* S, int M, int ng, const f
       uint16_t* pw = PW + ((int64_t)m * ng + g) * SL;
       VF z = vzero();
       for (int t = 0; t < nt; t += W) {
-        const VF pv = vload(pr + t), sv = vload(sg + t);
+        const VF pv = vload(pr + t);
+        if (!sT) {
+          pv_store_bf16(pw + t, pv);
+          continue;
+        }
+        const VF sv = vload(sg + t);
         pv_store_bf16(pw + t, vmul(pv, sv));
         if (full) z = vfma(pv, vfma(vm, sv, vload(zg + t)), z);
       }
@@ -2118,8 +2124,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
       } else if (a < b && vbv) {
 #if KVQ_HAS_PV_BF16
         // bf16 values: P rounded to bf16 (PW rows m * SL), 2 tokens per vdpbf16ps
-        for (int m = 0; m < MBp; ++m)
-          for (int t = a / W * W; t < b; t += W) st_bf16(PW + m * SL + t, vload(S + m * SL + t));
+        pv_bf16_weights(S, MBp, 1, nullptr, nullptr, 0, b, false, 0.0f, PW, nullptr);
         pv_bf16_bits<16>(MBp, nullptr, PW, vs, a, b, D, acc, 1);
 #endif
       } else if (a < b) {

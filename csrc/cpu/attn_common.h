@@ -55,9 +55,9 @@ struct AttnParams {
                             // KVQ_HAS_QK3 and the CPU its instructions); 0: repacked / fp32
   int32_t bf16dp;           // 1: a bf16 query's decode Q.K on bf16 keys uses vdpbf16ps (the
                             // path has KVQ_HAS_BF16DP and the CPU AVX512-BF16); 0: fp32 FMAs
-  int32_t pv_bf16;          // 1: a bf16 query's decode P.V of 4/2-bit int / nuq values uses
-                            // bf16 weights (attn_body.h pv_bf16: the path has KVQ_HAS_PV_BF16,
-                            // the CPU AVX512-BF16 and VBMI); 0: fp32 weights
+  int32_t pv_bf16;          // 1: a bf16 query's decode P.V of 4/3/2-bit int / nuq and bf16
+                            // values uses bf16 weights (attn_body.h pv_bf16: the path has
+                            // KVQ_HAS_PV_BF16, the CPU AVX512-BF16 and VBMI); 0: fp32 weights
 };
 
 // One unit of work: a tile of consecutive query tokens of one sequence, one kv head (all
