@@ -53,11 +53,12 @@ struct Codec {
 };
 constexpr int kCodecInts = 6;
 
-// A sparse outlier: stored exactly, removed from the dense range. channel == kNoOutlier
-// marks an empty slot. 4 bytes keeps fp16 loads aligned on every target.
+// A sparse outlier: removed from the dense range, its correction x - (the dense decode at
+// its channel) stored (kvq_numeric.h select_outliers). channel == kNoOutlier marks an empty
+// slot. 4 bytes keeps fp16 loads aligned on every target.
 struct Outlier {
   uint16_t channel;
-  uint16_t value_fp16;  // IEEE half bits
+  uint16_t value_fp16;  // the correction, IEEE half bits
 };
 static_assert(sizeof(Outlier) == 4, "Outlier must stay 4 bytes");
 constexpr uint16_t kNoOutlier = 0xFFFF;

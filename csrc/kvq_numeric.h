@@ -208,11 +208,14 @@ KVQ_HD float dequantize_nuq(uint32_t code, float scale, float zero, const float*
 // ---- sparse outliers (Codec.outliers slots per token per kv head) -----------------------
 // The rule, shared by the reference, the CPU and the CUDA kernels: of one token's head_dim
 // values, the `n` finite values of largest |x| (equal |x|: the lower channel first), in that
-// order. They are stored exactly (fp16, saturated) in the token's slots and excluded from
-// the dense scale statistics (min/max of their group, or of their channel over the token
-// group); their dense codes are whatever the group's quantizer gives them (ignored on
-// read: the slot value replaces them). Fewer finite values than slots leave the last slots
-// empty (channel kNoOutlier). Returns how many slots were filled.
+// order. They are excluded from the dense scale statistics (min/max of their group, or of
+// their channel over the token group) and their dense codes are whatever the group's
+// quantizer gives them; the token's slots store each one's correction x - (the dense decode
+// there) as fp16 (saturated), written after the codes and scales, and a read adds it: the
+// value comes back to within fp16 rounding of the correction (at most 2|x| apart), and
+// the attention kernels add the corrections sparsely without decoding the codes there.
+// Fewer finite values than slots leave the last slots empty (channel kNoOutlier). Returns
+// how many slots were filled.
 KVQ_HD int select_outliers(const float* x, int D, int n, int32_t* chans) {
   uint32_t taken[16] = {0};  // D <= 512
   int filled = 0;

@@ -224,6 +224,8 @@ def test_outlier_rule():
 
 
 def test_outliers_are_exact_and_leave_the_scale():
+    """A slot stores x - (the dense decode there) in fp16 (|x - dense| <= 2|x|): the value
+    comes back within 2^-10 |x|."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 64, generator=g)
     x[:, 7] += 40.0  # one huge channel
@@ -231,8 +233,8 @@ def test_outliers_are_exact_and_leave_the_scale():
     for c in (Codec("nuq", 3, "token", outliers=2), Codec("int", 3, "token", outliers=2)):
         lv = powered_levels(3) if c.encoding == "nuq" else None
         y = ref.fake_quantize(x, c, levels=lv)
-        assert torch.equal(y[:, 7], x[:, 7].half().float())  # stored exactly (fp16)
-        assert y[5, 20].item() == -55.5
+        assert ((y[:, 7] - x[:, 7]).abs() <= x[:, 7].abs() * 2 ** -10).all()
+        assert abs(y[5, 20].item() + 55.5) <= 55.5 * 2 ** -10
         plain = ref.fake_quantize(x, Codec(c.encoding, 3, "token"), levels=lv)
         dense = torch.ones_like(x, dtype=torch.bool)
         dense[:, 7] = False
@@ -248,7 +250,7 @@ def test_more_large_values_than_slots_fall_back_to_dense():
     x[:, [3, 9, 30, 41, 60]] = torch.tensor([50.0, -60.0, 70.0, -80.0, 90.0])
     c = Codec("nuq", 4, "token", outliers=2)
     y = ref.fake_quantize(x, c, levels=powered_levels(4))
-    assert torch.equal(y[:, [41, 60]], x[:, [41, 60]])  # the two largest: exact
+    assert ((y[:, [41, 60]] - x[:, [41, 60]]).abs() <= 90 * 2 ** -10).all()  # the two largest
     assert (y[:, [3, 9, 30]] - x[:, [3, 9, 30]]).abs().max() < 15  # dense, range [-60, 70]
     assert ref.outlier_overflow(x, 2, threshold=10.0) == 3 * 32
     assert ref.outlier_overflow(x, 5, threshold=10.0) == 0

@@ -11,7 +11,7 @@ Keys (all optional but `method`):
   symmetric          bool
   k_scale, v_scale   static scales (float) for tensor/head granularity
   outlier_fraction   p in (0, 0.1]: ceil(p * head_dim) values of every token (per kv head,
-                     keys and values) stored exactly in sparse outlier slots (int and nuq)
+                     keys and values) kept to fp16 precision in sparse outlier slots (int, nuq)
   rotation           "none" | "hadamard": rotate keys and values of each head by a seeded
                      randomized Hadamard transform before quantizing (vllm_kvq.rotation;
                      the same as the format name's _rot suffix)
@@ -182,7 +182,7 @@ def config_from_dict(d: dict | None, head_dim: int | None = None) -> KVQConfig:
                 not 0 < p <= MAX_OUTLIER_FRACTION:
             raise FormatError(f"kvq.outlier_fraction={d['outlier_fraction']!r} is not allowed; "
                               f"allowed: a number in (0, {MAX_OUTLIER_FRACTION}] (e.g. 0.01: "
-                              f"1% of each token's values stored exactly)")
+                              f"1% of each token's values kept to fp16 precision)")
         if not any(c.encoding in ("int", "nuq") for c in (fmt.key, fmt.value)):
             raise FormatError(f"kvq.outlier_fraction={d['outlier_fraction']!r} is not allowed "
                               f"with kvq.method={method!r}; allowed with int and nuq formats")

@@ -22,7 +22,7 @@ Names (`parse_format`):
                                      per channel over 32 tokens, values per token, 1 outlier
                                      slot each, 32 recent tokens in full precision
   suffixes: _sym (symmetric int), _o{N} (N outlier slots per token per kv head, int and
-            nuq: the N largest |x| of a token are stored exactly as fp16 and left out of the
+            nuq: the N largest |x| of a token are kept to fp16 precision and left out of the
             dense scale), _r{R} (R recent tokens in full precision), _rot (keys and values
             rotated by a seeded randomized Hadamard transform before quantizing, see
             vllm_kvq.rotation; head_dim 64/128/256), in that order; nuq formats also take

@@ -177,20 +177,22 @@ def outlier_stats(x: torch.Tensor, chans: torch.Tensor) -> torch.Tensor:
     return st
 
 
-def outlier_values(x: torch.Tensor, chans: torch.Tensor) -> torch.Tensor:
-    """The stored (fp16, saturated) values of the slots; 0 for empty slots."""
-    v = x.to(torch.float32).gather(1, chans.clamp(min=0))
+def outlier_corrections(x: torch.Tensor, dense: torch.Tensor, chans: torch.Tensor) -> torch.Tensor:
+    """The stored (fp16, saturated) corrections of the slots: x - dense at each slot's
+    channel, dense the codec's decode of the codes written there; 0 for empty slots."""
+    c = chans.clamp(min=0)
+    v = x.to(torch.float32).gather(1, c) - dense.gather(1, c)
     return _fp16_round(torch.where(chans >= 0, v, torch.zeros_like(v)))
 
 
-def apply_outliers(dense: torch.Tensor, chans: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """dense [T, D] with the stored outlier values in their channels (slots whose channel
-    is empty or not below D are ignored)."""
+def apply_outliers(dense: torch.Tensor, chans: torch.Tensor, deltas: torch.Tensor) -> torch.Tensor:
+    """dense [T, D] plus the stored corrections at their channels (slots whose channel is
+    empty or not below D are ignored)."""
     out = dense.clone()
     D = dense.shape[-1]
     ok = (chans >= 0) & (chans < D)
     rows, cols = ok.nonzero(as_tuple=True)
-    out[rows, chans[rows, cols]] = values[rows, cols].to(torch.float32)
+    out[rows, chans[rows, cols]] += deltas[rows, cols].to(torch.float32)
     return out
 
 
@@ -230,7 +232,7 @@ def fake_quantize(x: torch.Tensor, codec: Codec, static_scale: float | None = No
         out = dequantize_groups(*quantize_groups(x, codec, static_scale, levels, st), codec,
                                 levels)
     if chans is not None:
-        out = apply_outliers(out, chans, outlier_values(x, chans))
+        out = apply_outliers(out, chans, outlier_corrections(x, out, chans))
     return out
 
 
@@ -286,16 +288,10 @@ def encode_rows_into_plane(plane: torch.Tensor, region: dict, codec: Codec, D: i
     cols = region["scale_cols"]
     x = x.to(torch.float32)
     st = x
+    chans = None
     if codec.outliers:
-        n = codec.outliers
-        chans = select_outliers(x, n)
+        chans = select_outliers(x, codec.outliers)
         st = outlier_stats(x, chans)
-        slots = torch.empty(T, n, 2, dtype=torch.int16)
-        slots[..., 0] = torch.where(chans >= 0, chans, torch.full_like(chans, 0xFFFF)).to(
-            torch.int32).to(torch.int16)
-        slots[..., 1] = outlier_values(x, chans).to(torch.float16).view(torch.int16)
-        o_off = region["outlier_off"] + t0 * n * 4
-        plane[o_off:o_off + T * n * 4] = slots.view(torch.uint8).reshape(-1)
     if codec.granularity == "channel":
         G = codec.group
         if t0 % G or T % G:
@@ -303,17 +299,29 @@ def encode_rows_into_plane(plane: torch.Tensor, region: dict, codec: Codec, D: i
                              f"got tokens {t0}..{t0 + T - 1}")
         g, sg = (t.reshape(T // G, G, D).transpose(1, 2) for t in (x, st))
         codes, scale, zero = quantize_groups(g, codec, None, levels, sg)
+        dense = dequantize_groups(codes, scale, zero, codec, levels).transpose(1, 2).reshape(T, D)
         codes = codes.transpose(1, 2).reshape(T, D)
         srow0, scales, zeros = t0 // G, scale.reshape(-1), zero.reshape(-1)
     elif codec.granularity == "group":
         g, sg = (t.reshape(T, D // codec.group, codec.group) for t in (x, st))
         codes, scale, zero = quantize_groups(g, codec, None, levels, sg)
+        dense = dequantize_groups(codes, scale, zero, codec, levels).reshape(T, D)
         codes = codes.reshape(T, D)
         srow0, scales, zeros = t0, scale.reshape(-1), zero.reshape(-1)
     else:
         ss = static_scale if codec.static_scale else None
         codes, scale, zero = quantize_groups(x, codec, ss, levels, st)
+        dense = dequantize_groups(codes, scale, zero, codec, levels)
         srow0, scales, zeros = t0, scale.reshape(-1), zero.reshape(-1)
+    if chans is not None:
+        # after the dense codes: each slot stores x - (their decode) at its channel
+        n = codec.outliers
+        slots = torch.empty(T, n, 2, dtype=torch.int16)
+        slots[..., 0] = torch.where(chans >= 0, chans, torch.full_like(chans, 0xFFFF)).to(
+            torch.int32).to(torch.int16)
+        slots[..., 1] = outlier_corrections(x, dense, chans).to(torch.float16).view(torch.int16)
+        o_off = region["outlier_off"] + t0 * n * 4
+        plane[o_off:o_off + T * n * 4] = slots.view(torch.uint8).reshape(-1)
     plane[region["data_off"] + t0 * rb: region["data_off"] + (t0 + T) * rb] = \
         pack_rows(codes, codec.bits).reshape(-1)
     if region["scale_bytes"]:
@@ -326,7 +334,7 @@ def encode_rows_into_plane(plane: torch.Tensor, region: dict, codec: Codec, D: i
 
 
 def read_outliers(plane: torch.Tensor, region: dict, codec: Codec, B: int):
-    """The outlier slots of all B tokens: channels [B, n] int64 (-1 = empty), values
+    """The outlier slots of all B tokens: channels [B, n] int64 (-1 = empty), corrections
     [B, n] float32."""
     n = codec.outliers
     raw = _field(plane, region["outlier_off"], B * n * 4).view(torch.int16).reshape(B, n, 2)

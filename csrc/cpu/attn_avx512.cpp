@@ -335,10 +335,6 @@ static inline VF vgather_idx(const float* base, VI idx, VM m) {
 }
 static inline VI ci_load(const void* p, VM m) { return _mm512_maskz_loadu_epi32(m, p); }
 static inline VF vload_m(const float* p, VM m) { return _mm512_maskz_loadu_ps(m, p); }
-// lane l = tab[idx[l] & 15] (16 floats; vpermps)
-static inline VF vlut16(VI idx, const float* tab) {
-  return _mm512_permutexvar_ps(idx, _mm512_loadu_ps(tab));
-}
 // lane l = tab[idx[l]] for idx < n (n % 16 == 0), masked-off lanes 0. Up to 256 entries
 // from the table's registers: vpermt2ps picks within 32 entries, blends on index bits 5, 6
 // and 7 pick the 32-entry block; more entries by a gather. A 16-lane gather costs ~24

@@ -11,7 +11,7 @@
 //   ci_bcast4, ci_field<SH>, ci_tr8 (W rows' 4-byte words transposed), vq8_store;
 //   KVQ_HAS_QK3 (1: also ci_units3, ci_tab3, ci_fields3 and the KVQ_QK3_TARGET attribute,
 //   for qk_int3: 3-bit codes read as stored);
-//   for the outlier slots: VM, ci_* gathers and masks, vlut16, vtab, vtr4_store / vtr4_load
+//   for the outlier slots: VM, ci_* loads, gathers and masks, vtab, vtr4_store / vtr4_load
 //   (4 rows <-> W quads), vadd4;
 //   KVQ_HAS_BF16DP (1: vdp_bf16, ci_loadu, KVQ_BF16_TARGET, for qk_bf16) and KVQ_HAS_PV_BF16
 //   (1: PvPairs, pv_pairs_init, pv_pairs4 / 3 / 2 / 16, pv_dp, pv_bcast / pv_bcast1,
@@ -42,10 +42,10 @@
 //
 // In the scratch path (prefill tiles) nuq codecs and codecs with outlier slots are decoded
 // to fp32 rows when a tile is prepared (predecode_segment: level[code] * scale + zero
-// through the layer's codebook, or code * scale + zero, then each outlier slot overwrites
-// its channel) and consumed as the K_F32 kind. The fused path reads their codes in
-// registers (nuq through the codebook, ld_t*; int3 through the identity table, K_N3) and
-// corrects each slot sparsely (slot_runs).
+// through the layer's codebook, or code * scale + zero, then each outlier slot adds its
+// correction to its channel) and consumed as the K_F32 kind. The fused path reads their
+// codes in registers (nuq through the codebook, ld_t*; int3 through the identity table,
+// K_N3) and adds each slot's correction sparsely (for_slots).
 
 constexpr int TT = kTileTokens;
 constexpr int SL = kTileTokens;  // row stride of the logits tile
@@ -244,7 +244,7 @@ static inline void lut_row(const uint8_t* row, int bits, int d0, int d1, const f
 // at.. of the tile: dense values as the reference computes them (value = table[code] *
 // scale + zero, one rounding each: table = the codebook for nuq, code or code - 2^(b-1)
 // for int; evaluated once per scale group into a small lookup table for b <= 4), then
-// every outlier slot whose channel is below D replaces that channel.
+// every outlier slot whose channel is below D adds its correction to that channel.
 static void predecode_segment(const kvq::Codec& c, const kvq::Region& r, const uint8_t* plane,
                               int off, int cnt, int at, int D, float st, const float* levels,
                               TileBufs& tb, TileSrc& ts) {
@@ -311,7 +311,7 @@ static void predecode_segment(const kvq::Codec& c, const kvq::Region& r, const u
       uint16_t ch, v;
       memcpy(&ch, o + 4 * j, 2);
       memcpy(&v, o + 4 * j + 2, 2);
-      if (ch < D) dst[ch] = kvq::fp16_to_float(v);
+      if (ch < D) dst[ch] += kvq::fp16_to_float(v);
     }
     ts.row[at + i] = (const uint8_t*)dst;
   }
@@ -642,62 +642,40 @@ static void decode_tile(const TileSrc& ts, int nt, int D, float* out) {  // natu
 }
 
 // ---- outlier slots in the fused path -------------------------------------------------------
-// Each slot (channel ch of token t stored exactly) corrects what the dense decode gave that
-// channel: K: S[m][t] += Q[m][ch] * delta, V: acc[m][ch] += P[m][t] * delta, delta = exact -
-// dense, dense = table[code] * scale + zero with ch's scale/zero (or its channel's). Slot j
-// of W consecutive tokens is one vector (slot_runs): their slot words, code words and scales
-// are gathered at the constant strides of one segment of the tile (K: S and Q[m][ch] are then
-// vectors too; V: the W products P * delta are added channel by channel, as two tokens may
-// share a channel). A run across two segments (or with strides past int32) takes the scalar
-// batches (gather_outliers): (t, ch, delta) entries, the code lookup specialised per codec.
+// Each slot stores channel ch of token t and the correction delta = x - (the dense decode
+// there), written with the codes (kvq::Outlier), so the fused path adds it to what its
+// dense decode gave: K: S[m][t] += Q[m][ch] * delta, V: acc[m][ch] += P[m][t] * delta. No
+// code or scale is read back here. Slot j of W consecutive tokens is one vector (slot_runs):
+// the slot words sit at the constant stride of one segment of the tile (K: S and Q[m][ch]
+// are then vectors too; V: the W products P * delta are added channel by channel, as two
+// tokens may share a channel). A run across two segments takes the scalar batches
+// (gather_outliers): (t, ch, delta) entries.
 constexpr int kOutBatch = 4 * TT;
 struct OutlierBatch {
   int t[kOutBatch], ch[kOutBatch];
-  uint16_t exact[kOutBatch + W];
-  float dense[kOutBatch + W];
+  uint16_t delta16[kOutBatch + W];
   float delta[kOutBatch + W];
 };
 
-// CODE: 8 = one byte per code (int8), 4 / 2 = packed nibbles / bit pairs, 3 = 8 codes per
-// 3 bytes (int3, nuq3).
-template <int CODE>
-static inline uint32_t code_at(const uint8_t* row, int ch) {
-  if (CODE == 8) return row[ch];
-  if (CODE == 4) return (row[ch >> 1] >> ((ch & 1) * 4)) & 15u;
-  if (CODE == 2) return (row[ch >> 2] >> ((ch & 3) * 2)) & 3u;
-  return (word3(row + (ch >> 3) * 3) >> (3 * (ch & 7))) & 7u;
-}
-
 // Slots of tokens [t, b) into ob, at most kOutBatch entries (their count in n_out); returns
-// the first token not gathered. sidx (VEC): the position of each channel in the scale rows
-// (they are permuted for the integer Q.K), nullptr: the channel itself.
-template <int CODE, bool NUQ, bool VEC>
+// the first token not gathered.
 static int gather_outliers(int nout, const TileSrc& ts, int t, int b, int D, OutlierBatch& ob,
-                           int& n_out, const int32_t* sidx) {
+                           int& n_out) {
   int n = 0;  // a local: through n_out every store to ob would reload it
-  const int gshift = ts.gshift;
   for (; t < b && n + nout <= kOutBatch; ++t) {
     const uint8_t* o = ts.orow[t];
-    const uint8_t* row = ts.row[t];
-    const float* sv = ts.sv[t];
-    const float* zv = ts.zv[t];
     for (int j = 0; j < nout; ++j) {
       uint32_t w;
-      memcpy(&w, o + 4 * j, 4);  // kvq::Outlier: channel, then the fp16 value
+      memcpy(&w, o + 4 * j, 4);  // kvq::Outlier: channel, then the fp16 correction
       const int ch = (int)(w & 0xFFFFu);
       if (ch >= D) continue;  // kNoOutlier
-      const uint32_t code = code_at<CODE>(row, ch);
-      const float x = NUQ ? ts.lev[code] : (float)code;
-      const int si = VEC ? (sidx ? sidx[ch] : ch) : ((ch / W) >> gshift);
       ob.t[n] = t;
       ob.ch[n] = ch;
-      ob.exact[n] = (uint16_t)(w >> 16);
-      ob.dense[n] = x * sv[si] + zv[si];
+      ob.delta16[n] = (uint16_t)(w >> 16);
       ++n;
     }
   }
-  for (int i = 0; i < n; i += W)
-    vstore(ob.delta + i, vsub(ld_f16(ob.exact + i), vload(ob.dense + i)));
+  for (int i = 0; i < n; i += W) vstore(ob.delta + i, ld_f16(ob.delta16 + i));
   n_out = n;
   return t;
 }
@@ -711,127 +689,43 @@ static inline bool const_stride(T* const* p, int lo, int hi, int64_t& st) {
 }
 
 // Calls run(t0, ch, ok, delta) for slot j of each W tokens [t0, t0 + W) (t0 a multiple of W)
-// meeting [a, b): ok = the lanes with a token in [a, b) and a slot (ch < D), delta = exact -
-// dense there and 0 elsewhere; tokens of a run without constant strides go to
-// batch(lo, hi) instead.
-// sfl: scale floats per token (non-VEC: 1 per token, D / group per group, 0 static).
-template <int CODE, bool NUQ, bool VEC, class F, class G>
-static void slot_runs(int nout, const TileSrc& ts, int a, int b, int D, int sfl,
-                      const int32_t* sidx, F&& run, G&& batch) {
+// meeting [a, b): ok = the lanes with a token in [a, b) and a slot (ch < D), delta = the
+// slot's correction there and 0 elsewhere; tokens of a run without a constant slot stride
+// go to batch(lo, hi) instead.
+template <class F, class G>
+static void for_slots(const kvq::Codec& c, const TileSrc& ts, int a, int b, int D, F&& run,
+                      G&& batch_fix) {
+  const int nout = c.outliers;
   const VI iota = ci_iota(), vD = ci_set1(D), m16 = ci_set1(0xFFFF), s16 = ci_set1(16);
-  // non-VEC scale index ch / W >> gshift as one shift (>= 32: 0, one scale per token)
-  const VI gsh = ci_set1(imin(__builtin_ctz(W) + ts.gshift, 32));
-  const VI cmask = ci_set1(CODE == 8 ? 255 : (1 << CODE) - 1);
   for (int t0 = a / W * W; t0 < b; t0 += W) {
     const int lo = imax(a, t0), hi = imin(b, t0 + W);
-    int64_t rs, os, ss;
-    if (!const_stride(ts.row, lo, hi, rs) || !const_stride(ts.orow, lo, hi, os) ||
-        !const_stride(ts.sv, lo, hi, ss) || (hi - lo > 1 && ss != 4 * sfl)) {
-      batch(lo, hi);
+    int64_t os;
+    if (!const_stride(ts.orow, lo, hi, os)) {
+      OutlierBatch ob;
+      for (int t = lo, n = 0; t < hi;) {
+        t = gather_outliers(nout, ts, t, hi, D, ob, n);
+        batch_fix(ob, n);
+      }
       continue;
     }
-    ss = 4 * sfl;
     const VM lanes = vm_and(ci_lt(ci_set1(lo - t0 - 1), iota), ci_lt(iota, ci_set1(hi - t0)));
     const VI lane = ci_add(iota, ci_set1(t0 - lo));  // lane i: token t0 + i, relative to lo
-    const VI roff = ci_mullo(lane, ci_set1((int)rs)), ooff = ci_mullo(lane, ci_set1((int)os));
-    const VI soff = ci_mullo(lane, ci_set1((int)(ss / 4)));
-    const uint8_t* row = ts.row[lo];
-    // the lanes' scales by channel (VEC: one row), per token (contiguous), static, per group
-    const float* sv = ts.sv[lo];
-    const float* zv = ts.zv[lo];
-    const bool stok = !VEC && sfl == 1, sst = !VEC && sfl == 0;
+    const VI ooff = ci_mullo(lane, ci_set1((int)os));
     for (int j = 0; j < nout; ++j) {
       // one slot per token: W consecutive words (lanes before lo are masked off)
       const VI w = os == 4 ? ci_load(ts.orow[lo] - 4 * (lo - t0), lanes)
                            : ci_gather(ts.orow[lo] + 4 * j, ooff, lanes);
       const VI ch = ci_and(w, m16);
       const VM ok = vm_and(lanes, ci_lt(ch, vD));
-      VI at, sh;  // the code's byte offset in its row and its shift in the word there
-      if (CODE == 8) {
-        at = ch;
-        sh = ci_set1(0);
-      } else if (CODE == 4) {
-        at = ci_srlv(ch, ci_set1(1));
-        sh = ci_mullo(ci_and(ch, ci_set1(1)), ci_set1(4));
-      } else if (CODE == 2) {
-        at = ci_srlv(ch, ci_set1(2));
-        sh = ci_mullo(ci_and(ch, ci_set1(3)), ci_set1(2));
-      } else {
-        at = ci_mullo(ci_srlv(ch, ci_set1(3)), ci_set1(3));
-        sh = ci_mullo(ci_and(ch, ci_set1(7)), ci_set1(3));
-      }
-      const VI code = ci_and(ci_srlv(ci_gather(row, ci_add(roff, at), ok), sh), cmask);
-      const VF x = NUQ ? vlut16(code, ts.lev) : ci_tof(code);
-      VF s, z;
-      if (VEC) {
-        const VI si = sidx ? ci_tab(sidx, D, ch, ok) : ch;
-        s = vtab(sv, D, si, ok);
-        z = vtab(zv, D, si, ok);
-      } else if (stok) {
-        s = vload_m(sv - (lo - t0), ok);
-        z = vload_m(zv - (lo - t0), ok);
-      } else if (sst) {
-        s = vset(sv[0]);
-        z = vset(zv[0]);
-      } else {
-        const VI si = ci_add(ci_srlv(ch, gsh), soff);
-        s = vgather_idx(sv, si, ok);
-        z = vgather_idx(zv, si, ok);
-      }
-      const VF dense = vadd(vmul(x, s), z);
-      const VF exact = ci_f16lo(ci_srlv(w, s16));
-      run(t0, ci_sel0(ok, ch), ok, vsel0(ok, vsub(exact, dense)));
+      run(t0, ci_sel0(ok, ch), ok, vsel0(ok, ci_f16lo(ci_srlv(w, s16))));
     }
   }
 }
 
-// Dispatches slot_runs / the scalar batches on the codec's row form (ik: the integer Q.K's,
-// see IntKey) and granularity.
-template <class F, class G>
-static void for_slots(const kvq::Codec& c, const TileSrc& ts, int a, int b, int D,
-                      const IntKey* ik, const int32_t* sidx, F&& run, G&& fix_batch) {
-  const bool nuq = c.encoding == kvq::ENC_NUQ, vec = c.granularity == kvq::GRAN_CHANNEL;
-  const int code = ik && ik->repack3 ? 4 : c.bits;
-  const int sfl = vec ? 0 : c.granularity == kvq::GRAN_TOKEN ? 1
-                          : c.granularity == kvq::GRAN_GROUP ? D / c.group : 0;
-  auto go = [&](auto gather) {
-    auto batch = [&, gather](int lo, int hi) {
-      OutlierBatch ob;
-      for (int t = lo, n = 0; t < hi;) {
-        t = gather(c.outliers, ts, t, hi, D, ob, n, sidx);
-        fix_batch(ob, n);
-      }
-    };
-    return batch;
-  };
-#define KVQ_OUT(C, N, V)                                                          \
-  slot_runs<C, N, V>(c.outliers, ts, a, b, D, sfl, sidx, run,                   \
-                     go(gather_outliers<C, N, V>));                             \
-  return;
-#define KVQ_OUT_NV(C)                              \
-  if (nuq) {                                       \
-    if (vec) { KVQ_OUT(C, true, true) }            \
-    else { KVQ_OUT(C, true, false) }               \
-  } else {                                         \
-    if (vec) { KVQ_OUT(C, false, true) }           \
-    else { KVQ_OUT(C, false, false) }              \
-  }
-  switch (code) {
-    case 8: KVQ_OUT_NV(8)
-    case 4: KVQ_OUT_NV(4)
-    case 3: KVQ_OUT_NV(3)
-    default: KVQ_OUT_NV(2)
-  }
-#undef KVQ_OUT_NV
-#undef KVQ_OUT
-}
-
-// K: S[m][t] += Q[m][ch] * delta for every slot of tokens [0, nt). ik, sidx: the rows and
-// scales of the integer Q.K (for_slots).
+// K: S[m][t] += Q[m][ch] * delta for every slot of tokens [0, nt).
 static void outlier_fix_k(const kvq::Codec& c, const TileSrc& ts, int nt, int M, int D,
-                          const float* Q, float* S, const IntKey* ik = nullptr,
-                          const int32_t* sidx = nullptr) {
-  for_slots(c, ts, 0, nt, D, ik, sidx,
+                          const float* Q, float* S) {
+  for_slots(c, ts, 0, nt, D,
             [&](int t0, VI ch, VM ok, VF delta) {
               for (int m = 0; m < M; ++m) {
                 float* s = S + m * SL + t0;
@@ -861,9 +755,7 @@ static void outlier_fix_v(const kvq::Codec& c, const TileSrc& ts, int a, int b, 
   const int G = (M + 3) / 4;
   const int64_t gs = (int64_t)kVFixParity * 4 * D;  // floats per row group
   for (int64_t x = 0; x < G * gs; ++x) work[x] = 0.0f;
-  // per-channel scale rows are in acc's order too (prep_segment's perm_kind)
-  const int32_t* sidx = c.granularity == kvq::GRAN_CHANNEL ? pos : nullptr;
-  for_slots(c, ts, a, b, D, nullptr, sidx,
+  for_slots(c, ts, a, b, D,
             [&](int t0, VI ch, VM ok, VF delta) {
               // masked-off lanes add 0 to channel 0 (P there may be anything)
               int32_t chs[W];
@@ -1942,11 +1834,6 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   ks.gshift = vs.gshift = 30;
   set_levels(P.kc, P.k_levels, ks);
   set_levels(P.vc, P.v_levels, vs);
-  // the integer Q.K's outlier corrections read nuq levels in their byte form
-  if (klut)
-    for (int i = 0; i < 16; ++i) ks.lev[i] = (float)klut[i];
-  // per-channel scale rows are in code order: a slot's channel -> its position there
-  const int32_t* ksidx = ichn ? perm_inv_table(kord) : nullptr;
   for (int j = T.kbeg; j < T.kend;) {
     const int jt0 = j;
     int nt = 0, ns = 0, nkc = 0;
@@ -2055,7 +1942,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
     }
     // The integer Q.K's outlier slots: per-token / per-group / static keys with the rounded
     // query (Q holds it), per-channel keys with the exact one (like their zero-points).
-    if (iqk && P.kc.outliers) outlier_fix_k(P.kc, ks, nt, M, D, Q, S, ikp, ksidx);
+    if (iqk && P.kc.outliers) outlier_fix_k(P.kc, ks, nt, M, D, Q, S);
     kstream.flush();
     softmax_tile(S, M, nt, lo, hi, mrow, lrow, acc, D, P.softcap_log2);
     int nvc = 0;

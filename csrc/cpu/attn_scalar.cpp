@@ -283,11 +283,6 @@ static inline VF vload_m(const float* p, VM m) {
   for (int l = 0; l < W; ++l) r.v[l] = (m >> l) & 1 ? p[l] : 0.0f;
   return r;
 }
-static inline VF vlut16(VI idx, const float* tab) {
-  VF r;
-  for (int l = 0; l < W; ++l) r.v[l] = tab[idx.i[l] & 15];
-  return r;
-}
 static inline VF vtab(const float* tab, int, VI idx, VM m) { return vgather_idx(tab, idx, m); }
 static inline VI ci_tab(const int32_t* tab, int, VI idx, VM m) {
   VI r;

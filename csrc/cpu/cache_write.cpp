@@ -4,6 +4,9 @@
 // bytes are identical to the PyTorch reference (vllm_kvq/reference.py::write_cache).
 #include <omp.h>
 
+#include <algorithm>
+#include <utility>
+
 #include <string>
 #include <vector>
 
@@ -53,8 +56,11 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& cac
   {
     const std::vector<float> kl = codebook(kc, k_levels, "k_levels");
     const std::vector<float> vl = codebook(vc, v_levels, "v_levels");
-    if (!kl.empty()) kvq::nuq_midpoints(kl.data(), (int)kl.size(), kq.mids);
-    if (!vl.empty()) kvq::nuq_midpoints(vl.data(), (int)vl.size(), vq.mids);
+    for (auto [l, q] : {std::pair{&kl, &kq}, std::pair{&vl, &vq}}) {
+      if (l->empty()) continue;
+      kvq::nuq_midpoints(l->data(), (int)l->size(), q->mids);
+      std::copy(l->begin(), l->end(), q->levels);
+    }
   }
   const kvq::Layout lay = kvq::make_layout(kc, vc, D, B);
   TORCH_CHECK(C == lay.token_bytes, "cache last dim is ", C, " bytes but this format needs ",

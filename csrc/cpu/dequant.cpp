@@ -11,7 +11,7 @@
 //   int  sym          (code - 2^(b-1)) * scale  equals the kernel's fma(code, scale, zero))
 //   nuq               level[code] * scale + zero   (two roundings, as the kernel and the
 //                                                   reference; the build has -ffp-contract=off)
-// then every outlier slot whose channel is below D replaces its channel. Scales and zeros are
+// then every outlier slot whose channel is below D adds its correction to its channel. Scales and zeros are
 // fp16 (token, group, channel granularity) or the static per-head fp32 scale (tensor, head).
 //
 // OpenMP over (block, kv head, side); this file is compiled for the baseline target.

@@ -191,6 +191,7 @@ void encode_token_row(const SideQ& q, const Region& r, uint8_t* plane, int t,
     }
   }
   pack_row(codes, D, c.bits, row, r.row_bytes);
+  if (c.outliers) finish_outliers(q, r, plane, t, x, D, static_scale);
 }
 
 void encode_channel_group(const SideQ& q, const Region& r, uint8_t* plane, int t0,
@@ -223,6 +224,9 @@ void encode_channel_group(const SideQ& q, const Region& r, uint8_t* plane, int t
   for (int i = 0; i < G; ++i)
     pack_row(codes + (int64_t)i * D, D, c.bits, plane + r.data_off + (int64_t)(t0 + i) * r.row_bytes,
              r.row_bytes);
+  if (c.outliers)
+    for (int i = 0; i < G; ++i)
+      finish_outliers(q, r, plane, t0 + i, x + (int64_t)i * D, D, 0.0f);
 }
 
 }  // namespace write_avx2

@@ -26,7 +26,8 @@ struct RowSrc {
 // What a side's quantizer needs besides its codec: the nuq codebook's midpoints.
 struct SideQ {
   kvq::Codec c;
-  float mids[kvq::kMaxNuqLevels];  // nuq: (level[k] + level[k+1]) * 0.5, 2^bits - 1 of them
+  float mids[kvq::kMaxNuqLevels];    // nuq: (level[k] + level[k+1]) * 0.5, 2^bits - 1 of them
+  float levels[kvq::kMaxNuqLevels];  // nuq: the codebook (the outlier slots' dense decode)
 };
 
 // Dynamic parameters (INT asym/sym, nuq, fp8) of a group from its finite values' min, max
@@ -47,11 +48,15 @@ inline void store_fp16(uint8_t* plane, int32_t off, int idx, float v) {
   memcpy(plane + off + 2 * idx, &h, 2);
 }
 
-// Outlier slots of token t (kvq::select_outliers): writes the slots and returns in sx the
-// values the dense scales are computed from (x with the outliers replaced by NaN, which
-// every statistic skips). Shared by both paths (write_scalar.cpp).
+// Outlier slots of token t (kvq::select_outliers): writes the slots' channels and returns
+// in sx the values the dense scales are computed from (x with the outliers replaced by NaN,
+// which every statistic skips). Once the token's codes and scales are written,
+// finish_outliers stores each slot's correction x - (the dense decode at its channel).
+// Shared by both paths (write_scalar.cpp).
 void encode_outliers(const kvq::Codec& c, const kvq::Region& r, uint8_t* plane, int t,
                      const float* x, int D, float* sx);
+void finish_outliers(const SideQ& q, const kvq::Region& r, uint8_t* plane, int t,
+                     const float* x, int D, float static_scale);
 
 // Each path: load_row turns row (i, h) of a source into D floats; encode_token_row quantizes
 // one token row x[D] (non-channel codecs) into row t of a region; encode_channel_group

@@ -86,10 +86,41 @@ void encode_outliers(const Codec& c, const Region& r, uint8_t* plane, int t, con
     kvq::Outlier slot{kvq::kNoOutlier, 0};
     if (j < n) {
       slot.channel = (uint16_t)ch[j];
-      slot.value_fp16 = kvq::float_to_fp16_sat(x[ch[j]]);
       sx[ch[j]] = NAN;
     }
     memcpy(o + j * sizeof(kvq::Outlier), &slot, sizeof(slot));
+  }
+}
+
+// The dense decode at a slot's channel is the reference's dequantize_groups: the stored
+// code with the stored (fp16) scale and zero, or the static scale.
+void finish_outliers(const SideQ& q, const Region& r, uint8_t* plane, int t, const float* x,
+                     int D, float static_scale) {
+  const Codec& c = q.c;
+  uint8_t* o = plane + r.outlier_off + (int64_t)t * c.outliers * (int64_t)sizeof(kvq::Outlier);
+  const uint8_t* row = plane + r.data_off + (int64_t)t * r.row_bytes;
+  auto fp16_at = [&](int32_t off, int64_t idx) {
+    uint16_t h;
+    memcpy(&h, plane + off + 2 * idx, 2);
+    return kvq::fp16_to_float(h);
+  };
+  for (int j = 0; j < c.outliers; ++j) {
+    kvq::Outlier slot;
+    memcpy(&slot, o + j * sizeof(slot), sizeof(slot));
+    if (slot.channel >= D) continue;  // empty
+    const int ch = slot.channel;
+    int64_t si = -1;  // the scale's index, -1: static
+    if (c.granularity == kvq::GRAN_TOKEN) si = t;
+    else if (c.granularity == kvq::GRAN_GROUP) si = (int64_t)t * (D / c.group) + ch / c.group;
+    else if (c.granularity == kvq::GRAN_CHANNEL) si = (int64_t)(t / c.group) * D + ch;
+    const float s = si < 0 ? static_scale : fp16_at(r.scale_off, si);
+    const float z = si >= 0 && r.zero_bytes ? fp16_at(r.zero_off, si) : 0.0f;
+    const uint32_t code = c.bits == 8 ? row[ch] : kvq::get_code(row, ch, c.bits);
+    const float dense = c.encoding == kvq::ENC_NUQ
+                            ? kvq::dequantize_nuq(code, s, z, q.levels)
+                            : kvq::dequantize_int(code, s, z, c.bits, c.symmetric != 0);
+    slot.value_fp16 = kvq::float_to_fp16_sat(x[ch] - dense);
+    memcpy(o + j * sizeof(slot), &slot, sizeof(slot));
   }
 }
 
@@ -161,6 +192,7 @@ void encode_token_row(const SideQ& q, const Region& r, uint8_t* plane, int t, co
       }
     }
   }
+  if (c.outliers) finish_outliers(q, r, plane, t, x, D, static_scale);
 }
 
 // Quantize G whole tokens x[G][D] (per-channel codec) into rows t0..t0+G-1 of a region;
@@ -190,6 +222,9 @@ void encode_channel_group(const SideQ& q, const Region& r, uint8_t* plane, int t
     store_fp16(plane, r.scale_off, srow * D + d, p.scale);
     if (r.zero_bytes) store_fp16(plane, r.zero_off, srow * D + d, p.zero);
   }
+  if (c.outliers)
+    for (int i = 0; i < G; ++i)
+      finish_outliers(q, r, plane, t0 + i, x + (int64_t)i * D, D, 0.0f);
 }
 
 
