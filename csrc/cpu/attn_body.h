@@ -1647,6 +1647,46 @@ static inline void transpose_tile(const float* src, int nt, int ng, float* out) 
 }
 
 // ---- one task ----------------------------------------------------------------------------
+// Per-channel keys on the integer Q.K: the end of the run of tokens from t sharing t's
+// scale row. Each scale row of a tile has its own buffer (prep_segment), so equal pointers
+// bound a run: a step of W, then a binary search in the last step.
+static inline int run_end(const float* const* sv, int t, int nt) {
+  const float* p = sv[t];
+  int e = t + 1;
+  while (e + W - 1 < nt && sv[e + W - 1] == p) e += W;
+  int hi = imin(nt, e + W - 1);  // sv[hi] != p (or hi == nt); sv[e - 1] == p
+  while (e < hi) {
+    const int mid = (e + hi) / 2;
+    if (sv[mid] == p) e = mid + 1; else hi = mid;
+  }
+  return e;
+}
+
+// The per-channel fold of MR query rows q (stride D) with one scale row: q' = q * s (in
+// work, MR * D floats), rounded to int8 (q8, row scales qs), and zsum = q . z, the rows
+// interleaved so their max chains overlap. A non-finite q' (the query is finite, so a
+// non-finite scale) makes zsum NaN through q' * 0, and with it every logit of the run, as
+// the exact path would (vmax drops NaN from max|q'|).
+template <int MR>
+static inline void fold_rows(const float* q, int D, const float* sc, const float* zc,
+                             float* work, float* qs, float* zsum, int8_t* q8) {
+  VF zs[MR], mx[MR];
+  for (int r = 0; r < MR; ++r) zs[r] = mx[r] = vzero();
+  for (int d = 0; d < D; d += W) {
+    const VF s = vload(sc + d), z = vload(zc + d);
+    for (int r = 0; r < MR; ++r) {
+      const VF qv = vload(q + (int64_t)r * D + d), x = vmul(qv, s);
+      vstore(work + (int64_t)r * D + d, x);
+      mx[r] = vmax(mx[r], vmax(x, vsub(vzero(), x)));
+      zs[r] = vfma(qv, z, vfma(x, vzero(), zs[r]));
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    qs[r] = quantize_q8_amax(work + (int64_t)r * D, D, vhmax(mx[r]), q8 + (int64_t)r * D);
+    zsum[r] = vhsum(zs[r]);
+  }
+}
+
 static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch) {
   const int D = P.D, gq = P.gq, B = P.B, R = P.R;
   const int M = T.nq * gq;
@@ -1868,24 +1908,16 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
     if (iqk && ichn) {
       // per-channel scales: fold each scale row into the query, one run of tokens per row
       for (int t = 0; t < nt;) {
-        int e = t + 1;
-        while (e < nt && ks.sv[e] == ks.sv[t]) ++e;
+        const int e = run_end(ks.sv, t, nt);
         const float* sc = ks.sv[t];
         const float* zc = ks.zv[t];
-        for (int m = 0; m < MBq; ++m) {
-          // one pass: q' = q * s (kept in KV), max|q'|, zsum = q . z; a non-finite q' (the
-          // query is finite, so a non-finite scale) makes zsum NaN through q' * 0, and with
-          // it every logit of the run, as the exact path would (vmax drops NaN from max|q'|)
-          const float* qr = Qk + (int64_t)m * D;
-          VF zs = vzero(), mx = vzero();
-          for (int d = 0; d < D; d += W) {
-            const VF q = vload(qr + d), x = vmul(q, vload(sc + d));
-            vstore(KV + d, x);
-            mx = vmax(mx, vmax(x, vsub(vzero(), x)));
-            zs = vfma(q, vload(zc + d), vfma(x, vzero(), zs));
-          }
-          qsc[m] = quantize_q8_amax(KV, D, vhmax(mx), q8 + (int64_t)m * D);
-          zsum[m] = vhsum(zs);
+        for (int m = 0; m < MBq; m += 4) {
+          const int mr = imin(4, MBq - m);
+          const float* qm = Qk + (int64_t)m * D;
+          if (mr == 4) fold_rows<4>(qm, D, sc, zc, KV, qsc + m, zsum + m, q8 + (int64_t)m * D);
+          else if (mr == 3) fold_rows<3>(qm, D, sc, zc, KV, qsc + m, zsum + m, q8 + (int64_t)m * D);
+          else if (mr == 2) fold_rows<2>(qm, D, sc, zc, KV, qsc + m, zsum + m, q8 + (int64_t)m * D);
+          else fold_rows<1>(qm, D, sc, zc, KV, qsc + m, zsum + m, q8 + (int64_t)m * D);
         }
         qk_int_kind(kbits, false, MBq, q8, D, ks, t, e, 0, nullptr, S, klut);
         for (int m = 0; m < M; ++m) {  // locals: through qsc/zsum (may alias S) it was scalar
