@@ -8,8 +8,9 @@ over G consecutive tokens of one kv head, groups aligned to multiples of G from 
 -- lo = min, hi = max, zero = (hi+lo)/2, scale = (hi-lo)/2, x_norm = (x-zero)/scale in
 [-1, 1]; groups with hi == lo store no levels (left out). With outliers (`_o<c>`), the c
 largest-|x| finite values of each head vector (the kernels' rule,
-reference.select_outliers) are stored exactly and left out of min/max. Non-finite values
-are left out too.
+reference.select_outliers) are left out of min/max and come back as they were here (the
+served slots hold an fp16 correction: within 2^-10 |x|). Non-finite values are left out
+too.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ class Granularity:
     name: str
     kind: str          # token | group | channel
     size: int          # channels (group) or tokens (channel) per scale group; 0 for token
-    outliers: int = 0  # largest-|x| values per head vector stored exactly
+    outliers: int = 0  # largest-|x| values per head vector kept out of the levels
 
 
 def parse_granularity(name: str) -> Granularity:
