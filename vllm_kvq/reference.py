@@ -299,22 +299,19 @@ def encode_rows_into_plane(plane: torch.Tensor, region: dict, codec: Codec, D: i
                              f"got tokens {t0}..{t0 + T - 1}")
         g, sg = (t.reshape(T // G, G, D).transpose(1, 2) for t in (x, st))
         codes, scale, zero = quantize_groups(g, codec, None, levels, sg)
-        dense = dequantize_groups(codes, scale, zero, codec, levels).transpose(1, 2).reshape(T, D)
-        codes = codes.transpose(1, 2).reshape(T, D)
-        srow0, scales, zeros = t0 // G, scale.reshape(-1), zero.reshape(-1)
+        rows, srow0 = (lambda t: t.transpose(1, 2).reshape(T, D)), t0 // G
     elif codec.granularity == "group":
         g, sg = (t.reshape(T, D // codec.group, codec.group) for t in (x, st))
         codes, scale, zero = quantize_groups(g, codec, None, levels, sg)
-        dense = dequantize_groups(codes, scale, zero, codec, levels).reshape(T, D)
-        codes = codes.reshape(T, D)
-        srow0, scales, zeros = t0, scale.reshape(-1), zero.reshape(-1)
+        rows, srow0 = (lambda t: t.reshape(T, D)), t0
     else:
         ss = static_scale if codec.static_scale else None
         codes, scale, zero = quantize_groups(x, codec, ss, levels, st)
-        dense = dequantize_groups(codes, scale, zero, codec, levels)
-        srow0, scales, zeros = t0, scale.reshape(-1), zero.reshape(-1)
+        rows, srow0 = (lambda t: t), t0
+    scales, zeros = scale.reshape(-1), zero.reshape(-1)
     if chans is not None:
         # after the dense codes: each slot stores x - (their decode) at its channel
+        dense = rows(dequantize_groups(codes, scale, zero, codec, levels))
         n = codec.outliers
         slots = torch.empty(T, n, 2, dtype=torch.int16)
         slots[..., 0] = torch.where(chans >= 0, chans, torch.full_like(chans, 0xFFFF)).to(
@@ -323,7 +320,7 @@ def encode_rows_into_plane(plane: torch.Tensor, region: dict, codec: Codec, D: i
         o_off = region["outlier_off"] + t0 * n * 4
         plane[o_off:o_off + T * n * 4] = slots.view(torch.uint8).reshape(-1)
     plane[region["data_off"] + t0 * rb: region["data_off"] + (t0 + T) * rb] = \
-        pack_rows(codes, codec.bits).reshape(-1)
+        pack_rows(rows(codes), codec.bits).reshape(-1)
     if region["scale_bytes"]:
         n = scales.numel()
         s_off = region["scale_off"] + srow0 * cols * 2

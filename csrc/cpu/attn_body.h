@@ -645,7 +645,7 @@ static void decode_tile(const TileSrc& ts, int nt, int D, float* out) {  // natu
 // Each slot stores channel ch of token t and the correction delta = x - (the dense decode
 // there), written with the codes (kvq::Outlier), so the fused path adds it to what its
 // dense decode gave: K: S[m][t] += Q[m][ch] * delta, V: acc[m][ch] += P[m][t] * delta. No
-// code or scale is read back here. Slot j of W consecutive tokens is one vector (slot_runs):
+// code or scale is read back here. Slot j of W consecutive tokens is one vector (for_slots):
 // the slot words sit at the constant stride of one segment of the tile (K: S and Q[m][ch]
 // are then vectors too; V: the W products P * delta are added channel by channel, as two
 // tokens may share a channel). A run across two segments takes the scalar batches
@@ -1911,14 +1911,11 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
         const int e = run_end(ks.sv, t, nt);
         const float* sc = ks.sv[t];
         const float* zc = ks.zv[t];
-        for (int m = 0; m < MBq; m += 4) {
-          const int mr = imin(4, MBq - m);
-          const float* qm = Qk + (int64_t)m * D;
-          if (mr == 4) fold_rows<4>(qm, D, sc, zc, KV, qsc + m, zsum + m, q8 + (int64_t)m * D);
-          else if (mr == 3) fold_rows<3>(qm, D, sc, zc, KV, qsc + m, zsum + m, q8 + (int64_t)m * D);
-          else if (mr == 2) fold_rows<2>(qm, D, sc, zc, KV, qsc + m, zsum + m, q8 + (int64_t)m * D);
-          else fold_rows<1>(qm, D, sc, zc, KV, qsc + m, zsum + m, q8 + (int64_t)m * D);
-        }
+        for (int m = 0; m < MBq; m += 4)  // (with_row_block: mr is 1..4 here)
+          with_row_block(imin(4, MBq - m), [&](auto r) {
+            fold_rows<decltype(r)::value>(Qk + (int64_t)m * D, D, sc, zc, KV, qsc + m,
+                                          zsum + m, q8 + (int64_t)m * D);
+          });
         qk_int_kind(kbits, false, MBq, q8, D, ks, t, e, 0, nullptr, S, klut);
         for (int m = 0; m < M; ++m) {  // locals: through qsc/zsum (may alias S) it was scalar
           const float a = qsc[m], b = zsum[m];
