@@ -208,32 +208,47 @@ def outlier_overflow(x: torch.Tensor, n: int, threshold: float) -> int:
     return int(big.sum())
 
 
-def fake_quantize(x: torch.Tensor, codec: Codec, static_scale: float | None = None,
-                  levels: torch.Tensor | None = None):
-    """Round trip of rows of x [T, D] through the codec (per-channel: T a multiple of G),
-    outlier slots included."""
+def quantize_rows(x: torch.Tensor, codec: Codec, static_scale: float | None = None,
+                  levels: torch.Tensor | None = None, decode: bool = True):
+    """Rows x [T, D] through the codec's scale groups (per-channel: T a multiple of G, the
+    groups aligned to row 0), outlier slots included: (codes [T, D] int32, scale, zero
+    (flat, in the order of the page's scale rows), slot channels [T, n] (None without
+    slots), their corrections, the decode [T, D] with the corrections added (None when
+    decode is False and the codec has no slots)). static_scale: per-token codecs only."""
     T, D = x.shape
     x = x.to(torch.float32)
     st, chans = x, None
     if codec.outliers:
         chans = select_outliers(x, codec.outliers)
         st = outlier_stats(x, chans)
-    if codec.granularity == "group":
-        g, sg = (t.reshape(T, D // codec.group, codec.group) for t in (x, st))
-        out = dequantize_groups(*quantize_groups(g, codec, None, levels, sg), codec,
-                                levels).reshape(T, D)
-    elif codec.granularity == "channel":
+    if codec.granularity == "channel":
         G = codec.group
-        # [T/G, D, G]: a channel over G tokens
-        g, sg = (t.reshape(T // G, G, D).transpose(1, 2) for t in (x, st))
-        out = dequantize_groups(*quantize_groups(g, codec, None, levels, sg), codec, levels)
-        out = out.transpose(1, 2).reshape(T, D)
+        if T % G:
+            raise ValueError(f"per-channel groups need whole groups of {G} tokens, got {T}")
+        groups = lambda t: t.reshape(T // G, G, D).transpose(1, 2)  # a channel over G tokens
+        rows = lambda t: t.transpose(1, 2).reshape(T, D)
+    elif codec.granularity == "group":
+        groups = lambda t: t.reshape(T, D // codec.group, codec.group)
+        rows = lambda t: t.reshape(T, D)
     else:
-        out = dequantize_groups(*quantize_groups(x, codec, static_scale, levels, st), codec,
-                                levels)
+        groups = rows = lambda t: t
+    ss = static_scale if codec.granularity not in ("channel", "group") else None
+    codes, scale, zero = quantize_groups(groups(x), codec, ss, levels, groups(st))
+    dense = corrections = None
+    if decode or chans is not None:
+        dense = rows(dequantize_groups(codes, scale, zero, codec, levels))
     if chans is not None:
-        out = apply_outliers(out, chans, outlier_corrections(x, out, chans))
-    return out
+        # after the dense codes: each slot stores x - (their decode) at its channel
+        corrections = outlier_corrections(x, dense, chans)
+        dense = apply_outliers(dense, chans, corrections)
+    return rows(codes), scale.reshape(-1), zero.reshape(-1), chans, corrections, dense
+
+
+def fake_quantize(x: torch.Tensor, codec: Codec, static_scale: float | None = None,
+                  levels: torch.Tensor | None = None):
+    """Round trip of rows of x [T, D] through the codec (per-channel: T a multiple of G),
+    outlier slots included."""
+    return quantize_rows(x, codec, static_scale, levels)[-1]
 
 
 # --- bit packing (kvq::put_code / get_code) -------------------------------------------------
@@ -286,41 +301,22 @@ def encode_rows_into_plane(plane: torch.Tensor, region: dict, codec: Codec, D: i
     T = x.shape[0]
     rb = region["row_bytes"]
     cols = region["scale_cols"]
-    x = x.to(torch.float32)
-    st = x
-    chans = None
-    if codec.outliers:
-        chans = select_outliers(x, codec.outliers)
-        st = outlier_stats(x, chans)
-    if codec.granularity == "channel":
-        G = codec.group
-        if t0 % G or T % G:
-            raise ValueError(f"per-channel groups need whole aligned groups of {G} tokens, "
-                             f"got tokens {t0}..{t0 + T - 1}")
-        g, sg = (t.reshape(T // G, G, D).transpose(1, 2) for t in (x, st))
-        codes, scale, zero = quantize_groups(g, codec, None, levels, sg)
-        rows, srow0 = (lambda t: t.transpose(1, 2).reshape(T, D)), t0 // G
-    elif codec.granularity == "group":
-        g, sg = (t.reshape(T, D // codec.group, codec.group) for t in (x, st))
-        codes, scale, zero = quantize_groups(g, codec, None, levels, sg)
-        rows, srow0 = (lambda t: t.reshape(T, D)), t0
-    else:
-        ss = static_scale if codec.static_scale else None
-        codes, scale, zero = quantize_groups(x, codec, ss, levels, st)
-        rows, srow0 = (lambda t: t), t0
-    scales, zeros = scale.reshape(-1), zero.reshape(-1)
+    if codec.granularity == "channel" and t0 % codec.group:
+        raise ValueError(f"per-channel groups need whole aligned groups of {codec.group} "
+                         f"tokens, got tokens {t0}..{t0 + T - 1}")
+    codes, scales, zeros, chans, corrections, _ = quantize_rows(
+        x, codec, static_scale if codec.static_scale else None, levels, decode=False)
+    srow0 = t0 // codec.group if codec.granularity == "channel" else t0
     if chans is not None:
-        # after the dense codes: each slot stores x - (their decode) at its channel
-        dense = rows(dequantize_groups(codes, scale, zero, codec, levels))
         n = codec.outliers
         slots = torch.empty(T, n, 2, dtype=torch.int16)
         slots[..., 0] = torch.where(chans >= 0, chans, torch.full_like(chans, 0xFFFF)).to(
             torch.int32).to(torch.int16)
-        slots[..., 1] = outlier_corrections(x, dense, chans).to(torch.float16).view(torch.int16)
+        slots[..., 1] = corrections.to(torch.float16).view(torch.int16)
         o_off = region["outlier_off"] + t0 * n * 4
         plane[o_off:o_off + T * n * 4] = slots.view(torch.uint8).reshape(-1)
     plane[region["data_off"] + t0 * rb: region["data_off"] + (t0 + T) * rb] = \
-        pack_rows(rows(codes), codec.bits).reshape(-1)
+        pack_rows(codes, codec.bits).reshape(-1)
     if region["scale_bytes"]:
         n = scales.numel()
         s_off = region["scale_off"] + srow0 * cols * 2
