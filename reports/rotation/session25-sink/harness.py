@@ -35,7 +35,7 @@ SINK_CODECS = {"bf16": None, "int8": Codec("int", 8, "token")}
 class Emulation:
     def __init__(self, fmt, cal, residual: int, sink: int, sink_dtype: str, side: str,
                  exclude_sink: bool):
-        self.fmt, self.cal, self.R, self.sink = fmt, cal, residual, sink
+        self.fmt, self.cal, self.R, self.sink = fmt, cal, residual, sink  # cal: set once loaded
         self.sink_codec = SINK_CODECS[sink_dtype]
         self.sides = {"k", "v"} if side == "kv" else {side}
         self.exclude_sink = exclude_sink
@@ -102,11 +102,10 @@ def main():
     R = a.residual if a.residual is not None else max(fmt.residual_chunk, 1)
     md = default_model_dir()
     tok = AutoTokenizer.from_pretrained(md)
-    cfg_model = AutoModelForCausalLM.from_pretrained
-    cal = None
-    emu = Emulation(fmt, cal, R, a.sink, a.sink_dtype, a.side, a.exclude_sink)
+    emu = Emulation(fmt, None, R, a.sink, a.sink_dtype, a.side, a.exclude_sink)
     AttentionInterface.register("kvq_emulation", emu.attention)
-    model = cfg_model(md, dtype=torch.float32, attn_implementation="kvq_emulation").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        md, dtype=torch.float32, attn_implementation="kvq_emulation").eval()
     c = model.config
     emu.cal = load_calibration(next(SHIPPED_DIR.glob("SmolLM2*")),
                                num_layers=c.num_hidden_layers,
