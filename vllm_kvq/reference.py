@@ -291,8 +291,8 @@ def _fp16_field(plane, off, n) -> torch.Tensor:
     return _field(plane, off, 2 * n).view(torch.float16).to(torch.float32)
 
 
-def encode_rows_into_plane(plane: torch.Tensor, region: dict, codec: Codec, D: int,
-                           t0: int, x: torch.Tensor, static_scale: float,
+def encode_rows_into_plane(plane: torch.Tensor, region: dict, codec: Codec, t0: int,
+                           x: torch.Tensor, static_scale: float,
                            levels: torch.Tensor | None = None) -> None:
     """Write tokens t0..t0+T-1 of x [T, D] into one tensor region of a plane (uint8 [P]).
 
@@ -397,7 +397,7 @@ def write_cache(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
     Per-channel codecs quantize consecutive entries that fill an aligned group of G slots;
     any entry of such a codec outside a whole group is an error.
     """
-    N, H, D = key.shape
+    N, H = key.shape[:2]
     if fmt.rotation != "none":
         key, value = rotation.for_cache(key, value)
     B = layout.block_size
@@ -421,7 +421,7 @@ def write_cache(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
                                  f"slots; entry {i} (slot {s}) starts none")
             blk, off = divmod(s, B)
             for h in range(H):
-                encode_rows_into_plane(planes[blk, h], region, codec, D, off,
+                encode_rows_into_plane(planes[blk, h], region, codec, off,
                                        x[i:i + step, h], st[h], lv)
             i += step
 
