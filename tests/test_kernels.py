@@ -315,8 +315,8 @@ def run_ref(c):
 # Decode tasks with int keys (8/4/3/2 bits) or nuq keys (4/2 bits) compute Q.K in the integer domain
 # (csrc/cpu/attn_body.h "integer Q.K"): the query row x = q * softmax_scale * log2(e) is
 # rounded to int8 with one scale per row (qs = max|x|/127). nuq keys read their levels in a
-# byte form: u = rint((level - lmin) * 255 / (lmax - lmin)), level^ = lmin + u * delta,
-# delta = (lmax - lmin) / 255 (int_levels). For per-token / per-group / static key scales the
+# byte form: u = rint((level - lmin) * 127 / (lmax - lmin)), level^ = lmin + u * delta,
+# delta = (lmax - lmin) / 127 (int_levels; attn_body.h kNuqKeyLevelMax). For per-token / per-group / static key scales the
 # kernel then computes the exact attention of the rounded query over the keys decoded with
 # level^ (outlier slots exact); for per-channel keys (KIVI, nuq4) the channel scales fold
 # into the query first (x' = x * s per scale row, rounded the same way; the zero-points and
@@ -362,8 +362,8 @@ def int_levels(levels: torch.Tensor):
     """A nuq codebook's byte form (see above): (level^, lmin, delta), float32 like the kernels."""
     lv = torch.as_tensor(levels, dtype=torch.float32)
     lmin, lmax = lv[0], lv[-1]
-    u = torch.round((lv - lmin) * (torch.tensor(255.0) / (lmax - lmin)))
-    delta = (lmax - lmin) / 255.0
+    u = torch.round((lv - lmin) * (torch.tensor(127.0) / (lmax - lmin)))
+    delta = (lmax - lmin) / 127.0
     return lmin + u * delta, lmin, delta
 
 

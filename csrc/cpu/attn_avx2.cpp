@@ -246,7 +246,8 @@ typedef __m256i VI;
 static inline VI ci_zero() { return _mm256_setzero_si256(); }
 static inline VI ci_add(VI a, VI b) { return _mm256_add_epi32(a, b); }
 // acc lane l += sum_{k<4} c[4l+k] * q[4l+k] (u8 x s8), exactly (like vpdpbusd).
-// SMALL (codes < 16): vpmaddubsw cannot saturate (|2 * 15 * 127| < 2^15).
+// SMALL (codes < 16 or nuq byte levels <= 127): vpmaddubsw cannot saturate
+// (|2 * 127 * 127| < 2^15).
 // Otherwise (8-bit codes) even and odd bytes go through vpmaddwd as 16-bit words.
 template <bool SMALL>
 static inline VI ci_dot(VI acc, VI c, VI q) {

@@ -425,6 +425,12 @@ static void cvt_f16_row(const uint8_t* src, int D, int kind, float* dst) {
 // 3-bit codes repacked as 4-bit rows; nuq levels through a byte table u[code] (lut), the
 // value level * s + z then being u * (s * delta) + (z + s * lmin), an int code with those
 // scale and zero rows.
+// The byte levels span [0, 127], not [0, 255]: a pair of 7-bit levels times int8 query
+// bytes cannot saturate AVX2's vpmaddubsw (2 * 127 * 127 < 2^15), so nuq keys take the same
+// 3-instruction dot as 4/2-bit codes there instead of splitting bytes into 16-bit words (9);
+// every path uses the same integers. A level moves by at most 1/254 of the codebook's range
+// (~1/8 of the half-step of 16 evenly spaced levels).
+constexpr int kNuqKeyLevelMax = 127;
 struct IntKey {
   bool repack3;      // rows repacked to 4 bits when the tile is prepared (tb.u8)
   bool nuq;          // scale rows become s * delta, zero rows z + s * lmin
@@ -926,7 +932,7 @@ static void qk_int(const int8_t* q8, int D, const TileSrc& ts, int ta, int tb, i
   constexpr int MR = MB < 4 ? MB : 4;  // rows per pass over the transposed words
   constexpr int NK = 8 / BITS;         // codes per byte
   constexpr int DPC = W * BITS / 8;    // row words per chunk of CW codes
-  constexpr bool SMALL = BITS < 8 && !LUT;
+  constexpr bool SMALL = BITS < 8;  // codes < 16, or nuq byte levels <= kNuqKeyLevelMax
   const VI tab = LUT ? ci_tab16(lut) : ci_zero();
   const int ncol = D * BITS / 32;
   const int per = GRP ? cpg : ncol, ngrp = ncol / per;
@@ -1792,7 +1798,8 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   // propagates it like the reference).
   if (iqk) iqk = abs_max_or_nan(Q, (int64_t)M * D) <= 3.0e38f;  // NaN compares false
   // The key codec's form for the integer Q.K (IntKey): nuq levels as bytes u = rint((level -
-  // lmin) * 255 / (lmax - lmin)) (a codebook with one level stays on the exact path).
+  // lmin) * kNuqKeyLevelMax / (lmax - lmin)) (a codebook with one level stays on the exact
+  // path).
   IntKey ik{};
   ik.repack3 = P.kc.bits == 3 && !int_qk_raw3(P.kc, P.qk3);
   ik.nuq = P.kc.encoding == kvq::ENC_NUQ;
@@ -1800,11 +1807,12 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
     const int n = 1 << P.kc.bits;
     const float lmin = P.k_levels[0], lmax = P.k_levels[n - 1];  // ascending
     if (lmax > lmin) {
-      const float inv = 255.0f / (lmax - lmin);
+      const float top = (float)kNuqKeyLevelMax, inv = top / (lmax - lmin);
       for (int i = 0; i < 16; ++i)
-        ik.lut[i] = (uint8_t)iclamp((int)rintf((P.k_levels[i % n] - lmin) * inv), 0, 255);
+        ik.lut[i] = (uint8_t)iclamp((int)rintf((P.k_levels[i % n] - lmin) * inv), 0,
+                                    kNuqKeyLevelMax);
       ik.lmin = lmin;
-      ik.delta = (lmax - lmin) / 255.0f;
+      ik.delta = (lmax - lmin) / top;
     } else {
       iqk = false;
     }
