@@ -5,6 +5,7 @@ Quality is compared with our bf16 through the same backend (same code path), and
 with vLLM's own CPU backend.
 """
 import json
+import math
 
 import pytest
 from conftest import assert_within
@@ -300,9 +301,13 @@ def test_decode_approximations_cost_at_most_five_percent_of_the_format_error(met
     0.0557 vs 0.0552 (x1.010), nuq4 0.00195 vs 0.00171 (x1.14 but +0.00024, inside the
     noise allowance; nuq3 on the integer path 0.00849 vs 0.00818, x1.038). With nuq key
     levels as 7-bit bytes (kNuqKeyLevelMax, since 96dcbd6) on an AVX2-only machine: nuq4
-    0.001882 vs 0.001858 (x1.013). The fast and
-    exact kernels' outputs differ by less than the format's own error (each step's rounding
-    differences reach the next layers' quantized K/V)."""
+    0.001882 vs 0.001858 (x1.013), int4_group32 0.0269 vs 0.0257 (x1.044).
+    The two runs are close to independent samples of the format's noise: each step's
+    rounding differences reach the next layers' quantized K/V, so fast vs exact differ by KL
+    0.021 (int4_group32, AVX2), ~0.8x their distance to bf16, and they flip different
+    confident tokens (there: 10 vs 3 of 256, 8 of them near-ties of the quantized run). The
+    agreement bound is therefore a two-proportion test, 3 standard errors of the pooled flip
+    rate (0.042 there), never tighter than the 0.02 it was before."""
     steps = json.dumps(DECODE_STEPS)
     exact = json.dumps({**DECODE_STEPS, "env": {"KVQ_EXACT_QK": "1", "KVQ_EXACT_PV": "1"}})
     # the bf16 baseline scores the same tokens in one prefill (~30 s less than 383 steps):
@@ -315,7 +320,10 @@ def test_decode_approximations_cost_at_most_five_percent_of_the_format_error(met
     print(json.dumps({"method": method, "fast": fast, "exact": ref}))
     assert fast["positions"] >= DECODE_STEPS["window"] - 2
     assert fast["mean_kl"] <= 1.05 * ref["mean_kl"] + 0.001, (fast, ref)
-    assert fast["agreement_confident"] >= ref["agreement_confident"] - 0.02, (fast, ref)
+    n = fast["confident_positions"]
+    flip_rate = 1.0 - (fast["agreement_confident"] + ref["agreement_confident"]) / 2
+    allowed = max(0.02, 3.0 * math.sqrt(2.0 * flip_rate * (1.0 - flip_rate) / n))
+    assert fast["agreement_confident"] >= ref["agreement_confident"] - allowed, (fast, ref)
 
 
 # Speculative decoding: vLLM's n-gram proposer (it runs on the CPU), 4 drafts per step.
