@@ -419,11 +419,17 @@ def write_cache(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
             if step > 1 and (s % step or run != list(range(s, s + step))):
                 raise ValueError(f"per-channel codec needs whole aligned groups of {step} "
                                  f"slots; entry {i} (slot {s}) starts none")
+            # then every following step of consecutive slots in the same block: one encode
+            # per run (tokens and scale groups are independent, so the same bytes)
             blk, off = divmod(s, B)
+            n = step
+            while (i + n + step <= N and off + n + step <= B
+                   and slots[i + n:i + n + step] == list(range(s + n, s + n + step))):
+                n += step
             for h in range(H):
                 encode_rows_into_plane(planes[blk, h], region, codec, off,
-                                       x[i:i + step, h], st[h], lv)
-            i += step
+                                       x[i:i + n, h], st[h], lv)
+            i += n
 
 
 def read_block(cache: torch.Tensor, block: int, head: int, fmt: KVFormat, layout: Layout,
