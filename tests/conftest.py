@@ -10,7 +10,6 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tests import conftest's helpers
 DRIVER = Path(__file__).with_name("e2e_driver.py")
-from e2e_driver import single_worker  # noqa: E402
 E2E_DIR = Path(os.environ.get("KVQ_E2E_DIR") or tempfile.mkdtemp(prefix="kvq-e2e-"))
 E2E_DIR.mkdir(parents=True, exist_ok=True)
 
@@ -36,26 +35,20 @@ def _fork_server() -> subprocess.Popen:
 
 @lru_cache(maxsize=None)
 def run_engine(scenario: str, method: str, extra: str = "{}") -> dict:
-    """One real vLLM engine in a process of its own (tests/e2e_driver.py); cached per
-    session. Single-worker engines are forked from the fork server; multi-worker ones
-    (pipeline/tensor parallel: their workers import vLLM anyway) run as a fresh driver."""
+    """One real vLLM engine in a process of its own (tests/e2e_driver.py), forked from the
+    fork server; cached per session. Pipeline / tensor parallel engines spawn their workers
+    from that child, as vLLM does on the CPU."""
     out = E2E_DIR / f"{scenario}-{method}-{abs(hash(extra))}.json"
-    argv = [scenario, method, str(out), extra]
-    if not single_worker(json.loads(extra)):
-        proc = subprocess.run([sys.executable, str(DRIVER), *argv], capture_output=True,
-                              text=True, timeout=ENGINE_TIMEOUT_S)
-        rc, log = proc.returncode, proc.stderr
-    else:
-        log_path = out.with_suffix(".log")
-        server = _fork_server()
-        server.stdin.write(json.dumps({"argv": argv, "log": str(log_path),
-                                       "timeout": ENGINE_TIMEOUT_S}) + "\n")
-        server.stdin.flush()
-        answer = server.stdout.readline()
-        rc = json.loads(answer)["rc"] if answer else "fork server gone"
-        log = log_path.read_text() if log_path.exists() else ""
-        if not answer:
-            log += (E2E_DIR / "fork-server.log").read_text()
+    log_path = out.with_suffix(".log")
+    server = _fork_server()
+    server.stdin.write(json.dumps({"argv": [scenario, method, str(out), extra],
+                                   "log": str(log_path), "timeout": ENGINE_TIMEOUT_S}) + "\n")
+    server.stdin.flush()
+    answer = server.stdout.readline()
+    rc = json.loads(answer)["rc"] if answer else "fork server gone"
+    log = log_path.read_text() if log_path.exists() else ""
+    if not answer:
+        log += (E2E_DIR / "fork-server.log").read_text()
     if rc:
         raise AssertionError(f"{scenario}/{method} {extra} failed ({rc}):\n{log[-6000:]}")
     return json.loads(out.read_text())

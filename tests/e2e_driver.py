@@ -7,6 +7,7 @@ engine asked for on stdin (one JSON line each, see serve_forks), as vLLM's own t
 forks a process per test: `from vllm import LLM` alone takes ~10 s on 2 cores, ~30 times a
 suite.
 """
+import gc
 import json
 import os
 import signal
@@ -60,20 +61,15 @@ def session_inputs(folder: str, model: str, n_windows: int, window: int) -> dict
     return inputs
 
 
-def single_worker(extra: dict) -> bool:
-    """The engine has one worker (no pipeline or tensor parallelism)."""
-    return extra.get("pipeline_parallel_size", 1) * extra.get("tensor_parallel_size", 1) == 1
-
-
 def main(argv: list[str]):
     scenario, method, out = argv[:3]
     extra = json.loads(argv[3]) if len(argv) > 3 else {}
     os.environ.update(extra.pop("env", {}))  # inherited by the engine's processes
-    if single_worker(extra):
-        # One worker: vLLM's engine core and worker run in this process (no two child
-        # processes that import torch and vLLM again, ~20 s per engine on 2 cores) and its
-        # OpenMP threads use every core (the child worker reserves one for the frontend).
-        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    # vLLM's engine core runs in this process (one process fewer that imports torch and
+    # vLLM again, ~8 s per engine on 2 cores). One worker: the worker too, and its OpenMP
+    # threads use every core (a child worker reserves one for the frontend); pipeline /
+    # tensor parallel: the executor spawns its workers from here, as in a server.
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     install_fault_from_env()  # test-only faults (VLLM_KVQ_FAULT), patched into this process
     # the other scenarios' prompts are cut from 4 windows (their measurements were made so)
     n_windows = extra.pop("windows", N_WINDOWS if scenario == "quality" else 4)
@@ -140,9 +136,9 @@ def main(argv: list[str]):
 
 def serve_forks():
     """Per stdin line {"argv": [...], "log": path, "timeout": s}: fork, run main(argv) in
-    the child with its stdout/stderr in `log`, answer {"rc": exit code} on stdout. Only
-    single-worker engines come here: the child exits without vLLM's teardown, which a
-    multi-worker engine needs to stop its workers."""
+    the child with its stdout/stderr in `log`, answer {"rc": exit code} on stdout. The
+    child ends with os._exit (no interpreter teardown), after a garbage collection that
+    runs vLLM's own engine teardown: a pipeline / tensor parallel engine stops its workers."""
     import vllm.v1.worker.cpu_worker  # noqa: F401  the expensive imports, done once
     from vllm import LLM  # noqa: F401
 
@@ -158,6 +154,7 @@ def serve_forks():
             code = 1
             try:
                 main(req["argv"])
+                gc.collect()  # the engine is unreachable now: its finalizer stops workers
                 code = 0
             except BaseException:
                 traceback.print_exc()
