@@ -261,6 +261,24 @@ static inline VI ci_dot(VI acc, VI c, VI q) {
   return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(ce, qe),
                                                 _mm256_madd_epi16(co, qo)));
 }
+// 8-bit codes (ci_dot<false> above costs 9 instructions): a code vector is prepared once
+// for every query row that multiplies it as c' = c - 128 (signed: |c'| and c' itself), then
+// per row vpmaddubsw(|c'|, sign(q, c')) = c' * q in pairs, which cannot saturate
+// (|2 * 128 * 127| < 2^15): 4 instructions. Each lane's sum lacks kCiWideBias * (its
+// query bytes' sum), which qk_int adds once per scale group: the same integers as
+// vpdpbusd.
+constexpr int kCiWideBias = 128;
+struct CiWide {
+  VI mag, sgn;
+};
+static inline CiWide ci_wide(VI c) {
+  const VI s = _mm256_xor_si256(c, _mm256_set1_epi8((char)0x80));
+  return {_mm256_abs_epi8(s), s};
+}
+static inline VI ci_dot_wide(VI acc, const CiWide& c, VI q) {
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(
+      _mm256_maddubs_epi16(c.mag, _mm256_sign_epi8(q, c.sgn)), _mm256_set1_epi16(1)));
+}
 static inline VF ci_tof(VI a) { return _mm256_cvtepi32_ps(a); }
 // lane l = the 4 bytes at p (one dword of the int8 query, multiplied into every token lane).
 static inline VI ci_bcast4(const int8_t* p) {

@@ -271,6 +271,13 @@ static inline VI ci_add(VI a, VI b) { return _mm512_add_epi32(a, b); }
 // acc lane l += sum_{k<4} c[4l+k] * q[4l+k] (u8 x s8), vpdpbusd; SMALL: codes < 16 (unused here)
 template <bool SMALL>
 static inline VI ci_dot(VI acc, VI c, VI q) { return _mm512_dpbusd_epi32(acc, c, q); }
+// 8-bit codes go straight to vpdpbusd (no bias, see attn_avx2.cpp ci_wide).
+constexpr int kCiWideBias = 0;
+struct CiWide {
+  VI c;
+};
+static inline CiWide ci_wide(VI c) { return {c}; }
+static inline VI ci_dot_wide(VI acc, const CiWide& c, VI q) { return _mm512_dpbusd_epi32(acc, c.c, q); }
 static inline VF ci_tof(VI a) { return _mm512_cvtepi32_ps(a); }
 // lane l = the 4 bytes at p (one dword of the int8 query, multiplied into every token lane).
 static inline VI ci_bcast4(const int8_t* p) {

@@ -8,7 +8,7 @@
 //   ld_f16 / ld_bf16 (W halves), ld_u8 (W bytes), ld_u4 (W/2 bytes), ld_u2 (W/4 bytes),
 //   ld_e4m3 (W bytes, value * 2^-8), ld_e5m2 (W bytes);
 //   for the integer Q.K: VI (W int32 lanes), ci_zero, ci_add, ci_dot<SMALL>, ci_tof,
-//   ci_bcast4, ci_field<SH>, ci_tr8 (W rows' 4-byte words transposed), vq8_store;
+//   CiWide / ci_wide / ci_dot_wide / kCiWideBias (8-bit codes), ci_bcast4, ci_field<SH>, ci_tr8 (W rows' 4-byte words transposed), vq8_store;
 //   KVQ_HAS_QK3 (1: also ci_units3, ci_tab3, ci_fields3 and the KVQ_QK3_TARGET attribute,
 //   for qk_int3: 3-bit codes read as stored);
 //   for the outlier slots: VM, ci_* loads, gathers and masks, vtab, vtr4_store / vtr4_load
@@ -932,11 +932,23 @@ static void qk_int(const int8_t* q8, int D, const TileSrc& ts, int ta, int tb, i
   constexpr int MR = MB < 4 ? MB : 4;  // rows per pass over the transposed words
   constexpr int NK = 8 / BITS;         // codes per byte
   constexpr int DPC = W * BITS / 8;    // row words per chunk of CW codes
-  constexpr bool SMALL = BITS < 8;  // codes < 16, or nuq byte levels <= kNuqKeyLevelMax
+  [[maybe_unused]] constexpr bool SMALL = BITS < 8;  // codes < 16, or nuq levels <= 127
+  constexpr bool WIDE = BITS == 8 && !LUT;  // 8-bit codes: ci_dot_wide
   const VI tab = LUT ? ci_tab16(lut) : ci_zero();
   const int ncol = D * BITS / 32;
   const int per = GRP ? cpg : ncol, ngrp = ncol / per;
   VI col[128];
+  // WIDE with a bias: kCiWideBias * each row's query sum over each group's channels
+  // (word j: query bytes 4j..4j+3), added to the group's dot
+  constexpr bool BIAS = WIDE && kCiWideBias != 0;
+  int32_t qbias[BIAS ? MB : 1][BIAS ? 128 : 1];
+  if (BIAS)
+    for (int m = 0; m < MB; ++m)
+      for (int g = 0; g < ngrp; ++g) {
+        int32_t sum = 0;
+        for (int b = 4 * g * per; b < 4 * (g + 1) * per; ++b) sum += q8[(int64_t)m * D + b];
+        qbias[m][g] = kCiWideBias * sum;
+      }
   for (int t0 = ta; t0 < tb; t0 += W) {
     transpose_words(ts, t0, tb, ncol, col);
     if (ts.next) ts.next->step(imin(W, tb - t0));
@@ -954,11 +966,17 @@ static void qk_int(const int8_t* q8, int D, const TileSrc& ts, int ta, int tb, i
           if (LUT)
             for (int k = 0; k < NK; ++k) x[k] = ci_lut16(x[k], tab);
           const int8_t* qw = qm + 4 * ((j / DPC) * W + j % DPC);
-          for (int k = 0; k < NK; ++k)
-            for (int r = 0; r < MR; ++r) {
-              VI& acc = (k & 1) ? acc1[r] : acc0[r];
-              acc = ci_dot<SMALL>(acc, x[k], ci_bcast4(qw + (int64_t)r * D + 4 * k * DPC));
-            }
+          if constexpr (WIDE) {
+            const CiWide c = ci_wide(x[0]);
+            for (int r = 0; r < MR; ++r)
+              acc0[r] = ci_dot_wide(acc0[r], c, ci_bcast4(qw + (int64_t)r * D));
+          } else {
+            for (int k = 0; k < NK; ++k)
+              for (int r = 0; r < MR; ++r) {
+                VI& acc = (k & 1) ? acc1[r] : acc0[r];
+                acc = ci_dot<SMALL>(acc, x[k], ci_bcast4(qw + (int64_t)r * D + 4 * k * DPC));
+              }
+          }
         };
         int j = g * per;
         const int je = j + per;
@@ -971,6 +989,8 @@ static void qk_int(const int8_t* q8, int D, const TileSrc& ts, int ta, int tb, i
           }
           if (j < je) word(j, a0, a1);
         }
+        if (BIAS)
+          for (int r = 0; r < MR; ++r) a0[r] = ci_add(a0[r], ci_set1(qbias[m0 + r][g]));
         for (int r = 0; r < MR; ++r) f[r] = qk_group_sum<GRP>(a0[r], a1[r], g, sT + t0, f[r]);
       }
       for (int r = 0; r < MR; ++r) store_lanes(S + (int64_t)(m0 + r) * SL + t0, f[r], tb - t0);

@@ -208,6 +208,13 @@ static inline VI ci_dot(VI acc, VI c, VI q) {
     for (int k = 0; k < 4; ++k) acc.i[l] += (int32_t)cb[4 * l + k] * (int32_t)qb[4 * l + k];
   return acc;
 }
+// 8-bit codes: the plain dot (no bias, see attn_avx2.cpp ci_wide).
+constexpr int kCiWideBias = 0;
+struct CiWide {
+  VI c;
+};
+static inline CiWide ci_wide(VI c) { return {c}; }
+static inline VI ci_dot_wide(VI acc, const CiWide& c, VI q) { return ci_dot<false>(acc, c.c, q); }
 static inline VF ci_tof(VI a) { VF r; for (int l = 0; l < W; ++l) r.v[l] = (float)a.i[l]; return r; }
 static inline VI ci_bcast4(const int8_t* p) {
   VI r;
