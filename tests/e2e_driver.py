@@ -82,7 +82,9 @@ def main(argv: list[str]):
     inputs = session_inputs(os.path.dirname(out), model, n_windows, window)
     windows = inputs["windows"]
     if scenario == "quality":  # run_method starts it without a tokenizer (ids only)
-        result = run_method(method, model, windows, greedy_prompts=inputs["greedy"],
+        # "greedy": false skips the greedy continuations (~5 s of a parallel engine's steps)
+        greedy_prompts = inputs["greedy"] if extra.pop("greedy", True) else []
+        result = run_method(method, model, windows, greedy_prompts=greedy_prompts,
                             **{"kv_budget": QUALITY_BUDGET, **extra})
     else:
         from vllm import LLM

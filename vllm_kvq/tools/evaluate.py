@@ -103,7 +103,8 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
 def run_method(method, model: str, windows: list[list[int]], kv_budget: int = 256 << 20,
                greedy_prompts: list | None = None, **extra) -> dict:
     """greedy_prompts: GREEDY_PROMPTS as token ids (default_inputs); with them the engine runs
-    without a tokenizer of its own (vLLM loads Gemma 3's ~3 times, ~20 s a start)."""
+    without a tokenizer of its own (vLLM loads Gemma 3's ~3 times, ~20 s a start); [] runs
+    no greedy generation (its "greedy" is then [])."""
     from vllm import LLM
 
     max_len = max(len(w) for w in windows) + 64
@@ -116,7 +117,8 @@ def run_method(method, model: str, windows: list[list[int]], kv_budget: int = 25
            "startup_s": t1 - t0}
     run["prompt"] = prompt_logprobs(llm, windows)
     t2 = time.perf_counter()
-    run["greedy"] = greedy(llm, GREEDY_PROMPTS if greedy_prompts is None else greedy_prompts)
+    prompts = GREEDY_PROMPTS if greedy_prompts is None else greedy_prompts
+    run["greedy"] = greedy(llm, prompts) if prompts else []
     run["prefill_s"] = t2 - t1
     return run
 
@@ -154,7 +156,9 @@ def compare_runs(base: dict, other: dict) -> dict:
                 agree_confident += same
             kl += _kl_topk(rb["top"], ro["top"])
     ppl_base, ppl_other = math.exp(-lp_base / n), math.exp(-lp_other / n)
-    greedy_same = sum(a == b for a, b in zip(base["greedy"], other["greedy"]))
+    # None where either run generated no greedy tokens
+    greedy_same = (sum(a == b for a, b in zip(base["greedy"], other["greedy"], strict=True))
+                   if base["greedy"] and other["greedy"] else None)
     return {
         "positions": n,
         "ppl_base": ppl_base,
@@ -164,7 +168,7 @@ def compare_runs(base: dict, other: dict) -> dict:
         "confident_positions": confident,
         "agreement_confident": agree_confident / max(confident, 1),
         "mean_kl": kl / n,
-        "greedy_identical": greedy_same / len(base["greedy"]),
+        "greedy_identical": None if greedy_same is None else greedy_same / len(base["greedy"]),
         "capacity_ratio": other["capacity_tokens"] / base["capacity_tokens"],
     }
 
