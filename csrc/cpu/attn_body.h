@@ -8,7 +8,8 @@
 //   ld_f16 / ld_bf16 (W halves), ld_u8 (W bytes), ld_u4 (W/2 bytes), ld_u2 (W/4 bytes),
 //   ld_e4m3 (W bytes, value * 2^-8), ld_e5m2 (W bytes);
 //   for the integer Q.K: VI (W int32 lanes), ci_zero, ci_add, ci_dot<SMALL>, ci_tof,
-//   CiWide / ci_wide / ci_dot_wide / kCiWideBias (8-bit codes), ci_bcast4, ci_field<SH>, ci_tr8 (W rows' 4-byte words transposed), vq8_store;
+//   CiWide / ci_wide / ci_dot_wide / kCiWideBias (8-bit codes), ci_bcast4, ci_field<SH>,
+//   ci_tr8 (W rows' 4-byte words transposed), vq8_store;
 //   KVQ_HAS_QK3 (1: also ci_units3, ci_tab3, ci_fields3 and the KVQ_QK3_TARGET attribute,
 //   for qk_int3: 3-bit codes read as stored);
 //   for the outlier slots: VM, ci_* loads, gathers and masks, vtab, vtr4_store / vtr4_load

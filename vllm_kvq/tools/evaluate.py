@@ -157,7 +157,7 @@ def compare_runs(base: dict, other: dict) -> dict:
             kl += _kl_topk(rb["top"], ro["top"])
     ppl_base, ppl_other = math.exp(-lp_base / n), math.exp(-lp_other / n)
     # None where either run generated no greedy tokens
-    greedy_same = (sum(a == b for a, b in zip(base["greedy"], other["greedy"], strict=True))
+    greedy_same = (sum(a == b for a, b in zip(base["greedy"], other["greedy"]))
                    if base["greedy"] and other["greedy"] else None)
     return {
         "positions": n,
