@@ -1,7 +1,7 @@
 // The Codec of the int[6] every op takes from Python (vllm_kvq.formats: Codec.as_ints()),
 // checked once here for all of them (CPU, CUDA, the CUDA emulation and standalone builds).
 #pragma once
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>  // Tensor and ScalarType only (ATen/ATen.h: +7 s a TU)
 #include <c10/util/Exception.h>
 
 #include <cstddef>

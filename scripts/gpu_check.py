@@ -170,10 +170,13 @@ class EmuOps(Ops):
     def __init__(self):
         from torch.utils import cpp_extension
         cache = os.path.join(os.environ.get("KVQ_CACHE", os.path.expanduser("~/.cache/vllm-kvq")), "cuda_emu_build")
-        self.emu = cpp_extension.load(
+        import torch
+        cpp_extension.load(
             name="kvq_cuda_emu", sources=[os.path.join(ROOT, "csrc/cuda/emu/emu_ops.cpp")],
             extra_cflags=["-O2", "-ffp-contract=off", "-fno-math-errno", "-Wno-unknown-pragmas"],
-            extra_include_paths=[os.path.join(ROOT, "csrc")], build_directory=_mkdir(cache))
+            extra_include_paths=[os.path.join(ROOT, "csrc")], build_directory=_mkdir(cache),
+            is_python_module=False)
+        self.emu = torch.ops.kvq_cuda_emu
         self.mod, self.ops = None, None
 
     def write(self, k, v, cache, slots, fmt, ks, vs):

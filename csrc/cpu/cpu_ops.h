@@ -1,6 +1,7 @@
 // CPU implementations of the ops declared in csrc/torch_bindings.cpp.
 #pragma once
-#include <torch/all.h>
+// Tensor and its methods only: <torch/all.h> cost ~15 s of parsing per translation unit
+#include <ATen/core/Tensor.h>
 
 namespace kvq_cpu {
 

@@ -1,6 +1,7 @@
 // Checks shared by the CPU ops (op_checks.cpp) and the dispatch level they use.
 #pragma once
-#include <torch/all.h>
+// Tensor and its methods only: <torch/all.h> cost ~15 s of parsing per translation unit
+#include <ATen/core/Tensor.h>
 
 #include <vector>
 
