@@ -358,12 +358,12 @@ def int_qk_reads(fmt, path: str) -> bool:
     return int_query_codec(fmt)
 
 
-def int_levels(levels: torch.Tensor):
+def int_levels(levels: torch.Tensor, top: int = 127):
     """A nuq codebook's byte form (see above): (level^, lmin, delta), float32 like the kernels."""
     lv = torch.as_tensor(levels, dtype=torch.float32)
     lmin, lmax = lv[0], lv[-1]
-    u = torch.round((lv - lmin) * (torch.tensor(127.0) / (lmax - lmin)))
-    delta = (lmax - lmin) / 127.0
+    u = torch.round((lv - lmin) * (torch.tensor(float(top)) / (lmax - lmin)))
+    delta = (lmax - lmin) / float(top)
     return lmin + u * delta, lmin, delta
 
 
@@ -443,9 +443,30 @@ def run_ref_int8q(c):
     return out.to(query.dtype)
 
 
+def byte_values(fmt) -> bool:
+    """Whether the fused P.V may read this format's values as byte levels (attn_body.h K_B4,
+    AVX2 only: nuq 4-bit values, their codebook in int_levels' form, as nuq keys on the
+    integer Q.K; KVQ_EXACT_PV=1 keeps the float levels)."""
+    return fmt.value.encoding == "nuq" and fmt.value.bits == 4
+
+
+def pv_byte_runs(path: str, fmt) -> bool:
+    return path == "avx2" and byte_values(fmt)
+
+
+def with_byte_values(c):
+    """Case c with its value codebook rounded to the byte form K_B4 reads (levels over
+    [0, 255]: attn_body.h kNuqValueLevelMax)."""
+    return dict(c, v_levels=int_levels(c["v_levels"], 255)[0])
+
+
 def run_refs(c):
     """The references a kernel row may match: exact, and with the int8 query for int keys
-    (of a rotated format: the rotated query is what the kernel rounds)."""
+    (of a rotated format: the rotated query is what the kernel rounds); for nuq 4-bit values
+    each also with the values' byte levels (byte_values)."""
+    if byte_values(c["fmt"]) and "bytes" not in c:
+        return _as_list(run_refs(dict(c, bytes=False))) + _as_list(
+            run_refs(dict(with_byte_values(c), bytes=True)))
     ref = run_ref(c)
     if not int_query_codec(c["fmt"]):
         return ref
@@ -454,6 +475,10 @@ def run_refs(c):
     q, sk, sv = rotation.for_attention(c["query"], c.get("staging_k"), c.get("staging_v"))
     plain = dict(c, fmt=c["fmt"].with_rotation("none"), query=q, staging_k=sk, staging_v=sv)
     return [ref, rotation.unrotate(run_ref_int8q(plain))]
+
+
+def _as_list(r):
+    return list(r) if isinstance(r, (list, tuple)) else [r]
 
 
 def run_mine(c, path=None, **over):
@@ -973,7 +998,8 @@ def test_attention_int8_query(name, D, gq):
         if not int_qk_reads(fmt, path):
             assert_attn_close(out, exact, torch.float32, what=f"{name} {path}")
             continue
-        assert _rows_close(out, approx, torch.float32).all(), f"{name} {path}"
+        want = run_ref_int8q(with_byte_values(c))[:n] if pv_byte_runs(path, fmt) else approx
+        assert _rows_close(out, want, torch.float32).all(), f"{name} {path}"
         assert not _rows_close(out, exact, torch.float32).all(), f"{name} {path}: exact?"
         rel = (out - exact).norm(dim=-1) / exact.norm(dim=-1)
         bound = 3.1e-2 if fmt.key.granularity == "channel" else 1.4e-2
@@ -981,7 +1007,8 @@ def test_attention_int8_query(name, D, gq):
         old = os.environ.get("KVQ_EXACT_QK")
         os.environ["KVQ_EXACT_QK"] = "1"
         try:
-            assert_attn_close(run_mine(c, path), exact, torch.float32, what=f"{name} {path}")
+            exact_qk = run_ref(with_byte_values(c))[:n] if pv_byte_runs(path, fmt) else exact
+            assert_attn_close(run_mine(c, path), exact_qk, torch.float32, what=f"{name} {path}")
         finally:
             if old is None:
                 os.environ.pop("KVQ_EXACT_QK")
@@ -1047,7 +1074,8 @@ def test_bf16_weights_in_the_decode_pv(name, D, gq, monkeypatch):
     keeps the fp32 weights. Every path matches the references at bf16's tolerance either
     way; where pv_bf16 runs the two outputs differ (so it ran), by at most 2^-7 relative L2
     per row (measured 2.9e-3 to 3.8e-3 on these cases; one bf16 rounding of the output is
-    ~1e-3), and elsewhere they are equal."""
+    ~1e-3), and elsewhere they are equal. KVQ_EXACT_PV=1 also turns off the AVX2 path's byte
+    levels of nuq 4-bit values (pv_byte_runs), held to the same bound."""
     fmt = parse_format(name)
     B = max(32, fmt.residual_chunk)
     levels = tuple(skewed_levels(x.bits) if x.encoding == "nuq" else None
@@ -1058,10 +1086,10 @@ def test_bf16_weights_in_the_decode_pv(name, D, gq, monkeypatch):
     refs = run_refs(c)
     for path in PATHS:
         out, exact = fast_and_exact(c, path, "KVQ_EXACT_PV", refs, monkeypatch, f"{name} {path}")
-        if not pv_bf16_runs(path, D, gq):
+        if not (pv_bf16_runs(path, D, gq) or pv_byte_runs(path, fmt)):
             assert torch.equal(out, exact), f"{name} {path}"
             continue
-        assert not torch.equal(out, exact), f"{name} {path}: bf16 weights did not run"
+        assert not torch.equal(out, exact), f"{name} {path}: the approximation did not run"
         rel = (out.float() - exact.float()).norm(dim=-1) / exact.float().norm(dim=-1)
         print(name, D, gq, path, f"{rel.max().item():.3g}")
         assert rel.max().item() <= 2 ** -7, f"{name} {path}: rel err {rel.max():.3g}"

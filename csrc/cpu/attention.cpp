@@ -359,6 +359,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     // bf16 weights in a bf16 query's decode P.V of 4/3/2-bit and bf16 values (pv_bf16):
     // vdpbf16ps and VBMI's vpermb / vpmultishiftqb
     P.pv_bf16 = !exact_pv && avx512 && cpu.bf16 && cpu.vbmi ? 1 : 0;
+    // nuq 4-bit values' levels as bytes through vpshufb (AVX2 has no 16-float vpermps)
+    P.pv_byte = !exact_pv && path == PATH_AVX2 ? 1 : 0;
   }
   const int64_t nwork = (int64_t)work.size();
   const int nthr = (int)std::min<int64_t>(nthreads, nwork);

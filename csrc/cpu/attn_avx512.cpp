@@ -638,6 +638,7 @@ static inline VF vbfly(VF x, int h) {
   return _mm512_mask_sub_ps(_mm512_add_ps(x, t), hi, t, x);
 }
 
+#define KVQ_HAS_PV_BYTE 0  // vpermps reads all 16 float levels at once (ld_t4x2)
 #include "attn_body.h"
 #include "hadamard_body.h"
 

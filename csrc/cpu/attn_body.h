@@ -71,7 +71,9 @@ static inline void cvt_f16(const uint8_t* src, int n, float mul, float* dst) {
 }
 
 // ---- a tile's K or V source: code rows + scales, decoded chunk by chunk ---------------------
-enum Kind { K_F16 = 0, K_BF16, K_E4M3, K_E5M2, K_U8, K_U4, K_U2, K_F32, K_N4, K_N3, K_N2 };
+// K_B4: nuq 4-bit codes through a byte table (ts.blev; KVQ_HAS_PV_BYTE), the scale and zero
+// rows in the byte levels' affine form (nuq_int_scales): the decode P.V of nuq4 values.
+enum Kind { K_F16 = 0, K_BF16, K_E4M3, K_E5M2, K_U8, K_U4, K_U2, K_F32, K_N4, K_N3, K_N2, K_B4 };
 template <int KIND, bool VEC, bool PERM>
 struct KT {};
 
@@ -139,6 +141,7 @@ struct TileSrc {
   const uint8_t* orow[TT];  // outlier slots of token t (fused path, codecs with outliers)
   int gshift;
   float lev[16];            // K_N*: lev[i] = level of code i mod 2^bits (set_levels)
+  alignas(16) uint8_t blev[16];  // K_B4: the levels as bytes (IntKey::lut)
 };
 
 // ts.lev for a codec: nuq's codebook; int3's codes themselves (its packed rows are read
@@ -156,7 +159,12 @@ static inline uint32_t word3(const uint8_t* p) {
 }
 
 template <int KIND>
-static inline VF decode_codes(const uint8_t* row, int c, const float* lev) {
+static inline VF decode_codes(const TileSrc& ts, int t, int c) {
+  const uint8_t* row = ts.row[t];
+  const float* lev = ts.lev;
+#if KVQ_HAS_PV_BYTE
+  if (KIND == K_B4) return ld_b4(row + c * (W / 2), ts.blev);
+#endif
   if (KIND == K_N4) return ld_t4(row + c * (W / 2), lev);
   if (KIND == K_N3) return ld_t3(row + c * (3 * W / 8), lev);
   if (KIND == K_N2) return ld_t2(row + c * (W / 4), lev);
@@ -173,7 +181,7 @@ static inline VF decode_codes(const uint8_t* row, int c, const float* lev) {
 // Chunk c (channels c*W .. c*W+W-1) of token t, dequantized.
 template <int KIND, bool VEC>
 static inline VF decode(const TileSrc& ts, int t, int c) {
-  const VF x = decode_codes<KIND>(ts.row[t], c, ts.lev);
+  const VF x = decode_codes<KIND>(ts, t, c);
   if (KIND == K_F16 || KIND == K_BF16 || KIND == K_F32) return x;
   if (VEC) return vfma(x, vload(ts.sv[t] + c * W), vload(ts.zv[t] + c * W));
   const int gi = c >> ts.gshift;
@@ -432,6 +440,9 @@ static void cvt_f16_row(const uint8_t* src, int D, int kind, float* dst) {
 // every path uses the same integers. A level moves by at most 1/254 of the codebook's range
 // (~1/8 of the half-step of 16 evenly spaced levels).
 constexpr int kNuqKeyLevelMax = 127;
+// Values' byte levels (K_B4) are converted to float, not multiplied as bytes: the whole byte.
+constexpr int kNuqValueLevelMax = 255;
+// (IntKey also gives nuq 4-bit values this form where the P.V reads them as bytes: K_B4.)
 struct IntKey {
   bool repack3;      // rows repacked to 4 bits when the tile is prepared (tb.u8)
   bool nuq;          // scale rows become s * delta, zero rows z + s * lmin
@@ -544,9 +555,11 @@ static void prep_segment(const kvq::Codec& c, const kvq::Region& r, const uint8_
 }
 
 // Calls f(KT<kind, vec, perm>{}) for the codec; perm only applies to 4/2-bit int and nuq
-// codes (can_perm). dense: the fused path (nuq / outlier codecs not predecoded).
+// codes (can_perm). dense: the fused path (nuq / outlier codecs not predecoded). bytes: nuq
+// 4-bit codes through the byte table (K_B4; its scale rows prepared for it).
 template <class F>
-static inline void with_kind(const kvq::Codec& c, bool perm, F&& f, bool dense = false) {
+static inline void with_kind(const kvq::Codec& c, bool perm, F&& f, bool dense = false,
+                             [[maybe_unused]] bool bytes = false) {
   const bool vec = c.granularity == kvq::GRAN_CHANNEL;
   if (predecoded(c) && !dense) { f(KT<K_F32, false, false>{}); return; }
 #define KVQ_VP(K)                                          \
@@ -558,7 +571,11 @@ static inline void with_kind(const kvq::Codec& c, bool perm, F&& f, bool dense =
   return;
   if (c.encoding == kvq::ENC_NUQ) {
     switch (c.bits) {
-      case 4: KVQ_VP(K_N4)
+      case 4:
+#if KVQ_HAS_PV_BYTE
+        if (bytes) { KVQ_VP(K_B4) }
+#endif
+        KVQ_VP(K_N4)
       case 3: if (vec) f(KT<K_N3, true, false>{}); else f(KT<K_N3, false, false>{}); return;
       default: KVQ_VP(K_N2)
     }
@@ -609,6 +626,9 @@ static inline void decode_pair(const TileSrc& ts, int t, int u, VF& a, VF& b) {
   if (KIND == K_U4) ld_u4x2(ts.row[t] + u * W, a, b);
   else if (KIND == K_U2) ld_u2x2(ts.row[t] + u * (W / 2), a, b);
   else if (KIND == K_N4) ld_t4x2(ts.row[t] + u * W, ts.lev, a, b);
+#if KVQ_HAS_PV_BYTE
+  else if (KIND == K_B4) ld_b4x2(ts.row[t] + u * W, ts.blev, a, b);
+#endif
   else ld_t2x2(ts.row[t] + u * (W / 2), ts.lev, a, b);
 }
 
@@ -618,7 +638,7 @@ static inline void decode_pair(const TileSrc& ts, int t, int u, VF& a, VF& b) {
 template <int KIND, bool VEC, bool PERM>
 static inline void decode_step(const TileSrc& ts, int t, int u, VF* out) {
   if (KIND == K_E4M3 || KIND == K_E5M2) {
-    out[0] = decode_codes<KIND>(ts.row[t], u, ts.lev);
+    out[0] = decode_codes<KIND>(ts, t, u);
   } else if (!PERM) {
     out[0] = decode<KIND, VEC>(ts, t, u);
   } else {
@@ -1192,7 +1212,7 @@ static inline void decode_raw(const TileSrc& ts, int t, int u, VF* out) {
   if (PERM) {
     decode_pair<KIND>(ts, t, u, out[0], out[1]);
   } else {
-    out[0] = decode_codes<KIND>(ts.row[t], u, ts.lev);
+    out[0] = decode_codes<KIND>(ts, t, u);
   }
 }
 
@@ -1320,7 +1340,7 @@ static void pv_fused_rows(int M, const float* P, const TileSrc& ts, int a, int b
 // Kinds whose value is raw * scale + zero with a scale per token / group / layer.
 template <int KIND, bool VEC>
 constexpr bool foldable() {
-  return !VEC && (KIND == K_U8 || KIND == K_U4 || KIND == K_U2 || KIND == K_N4 ||
+  return !VEC && (KIND == K_U8 || KIND == K_U4 || KIND == K_U2 || KIND == K_N4 || KIND == K_B4 ||
                   KIND == K_N3 || KIND == K_N2);
 }
 template <int KIND, bool VEC, bool PERM>
@@ -1839,6 +1859,25 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
     }
   }
   const IntKey* ikp = iqk && (P.kc.bits == 3 || ik.nuq) ? &ik : nullptr;
+  // nuq 4-bit values in the fused P.V on a path without a 16-float table lookup (pv_byte):
+  // byte levels over [0, kNuqValueLevelMax] (K_B4, IntKey's affine form of the value scale
+  // rows). Each level moves by at most 1/510 of the codebook's range.
+  IntKey vik{};
+  bool vbyte = KVQ_HAS_PV_BYTE && fused && P.pv_byte && !vbf &&
+               P.vc.encoding == kvq::ENC_NUQ && P.vc.bits == 4 && P.v_levels;
+  if (vbyte) {
+    const float lmin = P.v_levels[0], lmax = P.v_levels[15];  // ascending
+    vbyte = lmax > lmin;
+    if (vbyte) {
+      const float top = (float)kNuqValueLevelMax, inv = top / (lmax - lmin);
+      for (int i = 0; i < 16; ++i)
+        vik.lut[i] = (uint8_t)iclamp((int)rintf((P.v_levels[i] - lmin) * inv), 0,
+                                     kNuqValueLevelMax);
+      vik.nuq = true;
+      vik.lmin = lmin;
+      vik.delta = (lmax - lmin) / top;
+    }
+  }
   const uint8_t* klut = iqk && ik.nuq ? ik.lut : nullptr;
   const bool ichn = iqk && P.kc.granularity == kvq::GRAN_CHANNEL;
   const bool igrp = iqk && P.kc.granularity == kvq::GRAN_GROUP;
@@ -1903,6 +1942,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   ks.gshift = vs.gshift = 30;
   set_levels(P.kc, P.k_levels, ks);
   set_levels(P.vc, P.v_levels, vs);
+  memcpy(vs.blev, vik.lut, 16);  // lut[0] == 0 (ld_b4)
   for (int j = T.kbeg; j < T.kend;) {
     const int jt0 = j;
     int nt = 0, ns = 0, nkc = 0;
@@ -2006,7 +2046,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
     int nvc = 0;
     for (int k = 0; k < ns; ++k)
       prep_segment(P.vc, P.lay.v, segs[k].plane, segs[k].off, segs[k].cnt, segs[k].at, D, vst,
-                   tb, nvc, vs, vpk, P.v_levels, fused);
+                   tb, nvc, vs, vpk, P.v_levels, fused, vbyte ? &vik : nullptr);
     if (fused) {
       if (vfp8 && vtok)
         for (int m = 0; m < M; ++m)
@@ -2059,7 +2099,8 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
         } else
 #endif
         with_kind(P.vc, vperm,
-                  [&](auto k) { pv_fused_kind(k, MBp, S, vs, a, b, D, acc, PS, vng); }, true);
+                  [&](auto k) { pv_fused_kind(k, MBp, S, vs, a, b, D, acc, PS, vng); }, true,
+                  vbyte);
         const int gsh = vs.gshift;
         for (int m = 0; m < M; ++m)
           for (int c = 0; c < D / W; ++c) {
@@ -2074,7 +2115,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
 #endif
       } else if (a < b) {
         with_kind(P.vc, vperm,
-                  [&](auto k) { pv_fused_kind(k, MBp, S, vs, a, b, D, acc); }, true);
+                  [&](auto k) { pv_fused_kind(k, MBp, S, vs, a, b, D, acc); }, true, vbyte);
       }
       if (P.vc.outliers && lo[0] < hi[0])  // KV: the scratch path's rows, free here
         outlier_fix_v(P.vc, vs, lo[0], hi[0], M, D, S, acc, KV,
