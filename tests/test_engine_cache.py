@@ -256,8 +256,7 @@ def test_quality_measurement_reads_the_stored_cache(method):
 # Pipeline parallel over SmolLM2's 30 layers: two CPU workers (one core each), stages of 15
 # layers. The residual window's slots and the nuq codebooks (by global layer index) are per
 # stage; a stage that used stage 0's codebooks or lost its window would land at KL ~1.
-# (no greedy continuations: the test compares prompt logprobs only)
-PP2 = json.dumps({"pipeline_parallel_size": 2, "greedy": False,
+PP2 = json.dumps({"pipeline_parallel_size": 2,
                   "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}})
 
 

@@ -69,8 +69,7 @@ def test_quantized_cache_on_gemma3_quality_and_capacity(method):
 # 0.0478 / 0.0503, 0.965 / 0.947 (659 confident positions: 12 flips); nuq3_lm 0.0012 /
 # 0.0169 / 0.0173, 0.986 / 0.988; nuq3 (shipped calibration, AVX-512 machine) 0.0018 /
 # 0.0103 / 0.0102, 0.994 / 0.994. The same capacity per rank.
-# (no greedy continuations: the test compares prompt logprobs only)
-TP2 = {**GEMMA, "tensor_parallel_size": 2, "greedy": False,
+TP2 = {**GEMMA, "tensor_parallel_size": 2,
        "env": {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}}
 
 
