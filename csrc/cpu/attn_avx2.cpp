@@ -122,15 +122,17 @@ static inline void ld_u4x2(const uint8_t* p, VF& a, VF& b) {
 }
 // Two chunks from W/2 bytes of int2: lanes [0, W/2) take byte i, lanes [W/2, W) byte i - W/2;
 // a = bit pairs 0 | 1, b = bit pairs 2 | 3; through tab (8 entries, entry i that of i & 3:
-// vpermps reads the low 3 bits, the pair above a code lands in bit 2): int2 the codes
-// themselves, nuq2 its levels.
+// vpermps reads the low 3 bits, the bit above a code, the next pair's or byte's, lands in
+// bit 2): int2 the codes themselves, nuq2 its levels. The 4 bytes are broadcast as one
+// word (a load, no shuffle) and each lane shifts its byte's pair down: 4 vector ops per
+// 16 values instead of 6 (vmovd, vpunpckldq, vpmovzxbd before the two shifts): 2-bit
+// values' kernel 10.6 -> 9.3 ms (AVX2 Zen 3, 1 thread, 32/8/128 b4 8k, int4 keys).
 static inline void ld_x2x2(const uint8_t* p, __m256 tab, VF& a, VF& b) {
   int32_t w;
   memcpy(&w, p, 4);
-  const __m128i x = _mm_cvtsi32_si128(w);
-  const __m256i v = _mm256_cvtepu8_epi32(_mm_unpacklo_epi32(x, x));
-  a = _mm256_permutevar8x32_ps(tab, _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2)));
-  b = _mm256_permutevar8x32_ps(tab, _mm256_srlv_epi32(v, _mm256_setr_epi32(4, 4, 4, 4, 6, 6, 6, 6)));
+  const __m256i v = _mm256_set1_epi32(w);
+  a = _mm256_permutevar8x32_ps(tab, _mm256_srlv_epi32(v, _mm256_setr_epi32(0, 8, 16, 24, 2, 10, 18, 26)));
+  b = _mm256_permutevar8x32_ps(tab, _mm256_srlv_epi32(v, _mm256_setr_epi32(4, 12, 20, 28, 6, 14, 22, 30)));
 }
 static inline void ld_u2x2(const uint8_t* p, VF& a, VF& b) {
   ld_x2x2(p, _mm256_setr_ps(0, 1, 2, 3, 0, 1, 2, 3), a, b);
