@@ -1016,6 +1016,20 @@ def test_attention_int8_query(name, D, gq):
                 os.environ["KVQ_EXACT_QK"] = old
 
 
+@pytest.mark.skipif("avx2" not in PATHS, reason="this CPU has no avx2")
+def test_3bit_key_repack_with_and_without_pdep(monkeypatch):
+    """The AVX2 path repacks 3-bit keys to 4 bits for the integer Q.K with BMI2 pdep where
+    pdep is fast, else with vector shuffles (AMD Zen 1/2; KVQ_NO_PDEP=1 forces them): the
+    same bytes, so the same attention bit for bit, and the int8-query reference's."""
+    c = build_case("int3_group32", 128, 32, gq=4, H=2, dtype=torch.float32,
+                   seqs=[(300, 1), (97, 1), (45, 1)], seed=_seed("pdep"))
+    fast = run_mine(c, "avx2")
+    monkeypatch.setenv("KVQ_NO_PDEP", "1")
+    shuffled = run_mine(c, "avx2")
+    assert torch.equal(fast, shuffled)
+    assert_attn_close(shuffled, run_refs(c), torch.float32)
+
+
 def fast_and_exact(c, path, exact_var, ref, monkeypatch, what):
     """A bf16 case's output on one path as it runs and with exact_var=1 (that approximation
     off), each matched against ref (a tensor or run_refs' list) at bf16's tolerance."""

@@ -119,7 +119,7 @@ static bool env_flag(const char* name) {
 }
 // The CPU features the AVX-512 body's optional paths need, read once.
 struct CpuFeatures {
-  bool vnni, vbmi, vbmi2, bf16;
+  bool vnni, vbmi, vbmi2, bf16, fast_pdep;
 };
 static const CpuFeatures& cpu_features() {
   static const CpuFeatures f = [] {
@@ -127,7 +127,9 @@ static const CpuFeatures& cpu_features() {
     return CpuFeatures{(bool)__builtin_cpu_supports("avx512vnni"),
                        (bool)__builtin_cpu_supports("avx512vbmi"),
                        (bool)__builtin_cpu_supports("avx512vbmi2"),
-                       (bool)__builtin_cpu_supports("avx512bf16")};
+                       (bool)__builtin_cpu_supports("avx512bf16"),
+                       // AMD family 17h (Zen 1/2) runs pdep in microcode (~20-250 cycles)
+                       __builtin_cpu_supports("bmi2") && !__builtin_cpu_is("amdfam17h")};
   }();
   return f;
 }
@@ -361,6 +363,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     P.pv_bf16 = !exact_pv && avx512 && cpu.bf16 && cpu.vbmi ? 1 : 0;
     // nuq 4-bit values' levels as bytes through vpshufb (AVX2 has no 16-float vpermps)
     P.pv_byte = !exact_pv && path == PATH_AVX2 ? 1 : 0;
+    // KVQ_NO_PDEP=1: the vector repack of 3-bit keys (what Zen 1/2 run; tests/test_kernels.py)
+    P.fast_pdep = cpu.fast_pdep && !env_flag("KVQ_NO_PDEP") ? 1 : 0;
   }
   const int64_t nwork = (int64_t)work.size();
   const int nthr = (int)std::min<int64_t>(nthreads, nwork);

@@ -467,6 +467,21 @@ static inline void cvt3to4_row(const uint8_t* src, int D, uint8_t* dst) {
     memcpy(dst + d / 2 + 4, &hi, 4);
   }
 }
+// cvt3to4_row by BMI2 pdep: 16 codes (48 bits) deposited into the low 3 bits of 16 nibbles
+// by one instruction (AVX2 Zen 3, 1 thread, 32/8/128 b4 8k, int4 values: int3_channel32_r32
+// keys 14.5 -> 13.2 ms, int3_token 12.2 -> 11.9; what is left of the repack is mostly the
+// rows' first reads). Only where pdep is fast (AttnParams::fast_pdep): Zen 1/2 microcode it.
+#define KVQ_HAS_PDEP 1
+static inline void cvt3to4_row_pdep(const uint8_t* src, int D, uint8_t* dst) {
+  for (int d = 0; d < D; d += 16) {
+    uint32_t lo4;
+    uint16_t hi2;
+    memcpy(&lo4, src + d / 8 * 3, 4);
+    memcpy(&hi2, src + d / 8 * 3 + 4, 2);
+    const uint64_t x = _pdep_u64((uint64_t)lo4 | ((uint64_t)hi2 << 32), 0x7777777777777777ull);
+    memcpy(dst + d / 2, &x, 8);
+  }
+}
 // dst[0..W) = (int8) rint(x * inv); |x * inv| <= 127.
 static inline void vq8_store(VF x, VF inv, int8_t* dst) {
   const __m256i v = _mm256_cvtps_epi32(_mm256_mul_ps(x, inv));
