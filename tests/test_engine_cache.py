@@ -295,11 +295,12 @@ def test_decode_approximations_cost_at_most_five_percent_of_the_format_error(met
     """The decode kernel takes Q.K of int keys with an int8-rounded query and, for a bf16
     query on an AVX-512 CPU with AVX512-BF16 and VBMI, P.V of 4/2-bit values with bf16
     weights (csrc/cpu/attn_body.h pv_bf16), on AVX2 P.V of nuq 4-bit values with their levels
-    as bytes (K_B4); KVQ_EXACT_QK=1 KVQ_EXACT_PV=1 is the exact kernel. Against our bf16 cache, per format, the fast kernel's KL stays within 5% of the
-    exact kernel's (plus 0.001 for the noise of 383 positions). Measured (AVX-512 machine),
-    both approximations: int4_group32 KL 0.0234 vs exact 0.0231 (x1.014), nuq4 0.00180 vs
-    0.00174 (x1.035); int8 query alone: int4_group32 0.0284 vs 0.0274 (x1.037), kivi2
-    0.0557 vs 0.0552 (x1.010), nuq4 0.00195 vs 0.00171 (x1.14 but +0.00024, inside the
+    as bytes (K_B4); KVQ_EXACT_QK=1 KVQ_EXACT_PV=1 is the exact kernel. Against our bf16
+    cache, per format, the fast kernel's KL stays within 5% of the exact kernel's (plus 0.001
+    for the noise of 383 positions). Measured (AVX-512 machine), both approximations:
+    int4_group32 KL 0.0234 vs exact 0.0231 (x1.014), nuq4 0.00180 vs 0.00174 (x1.035);
+    int8 query alone: int4_group32 0.0284 vs 0.0274 (x1.037), kivi2 0.0557 vs 0.0552
+    (x1.010), nuq4 0.00195 vs 0.00171 (x1.14 but +0.00024, inside the
     noise allowance; nuq3 on the integer path 0.00849 vs 0.00818, x1.038). With nuq key
     levels as 7-bit bytes (kNuqKeyLevelMax, since 96dcbd6) on an AVX2-only machine: nuq4
     0.001882 vs 0.001858 (x1.013), int4_group32 0.0269 vs 0.0257 (x1.044); with nuq4's value

@@ -375,7 +375,6 @@ static inline void ld_b4x2(const uint8_t* p, const uint8_t* btab, VF& a, VF& b) 
 }
 // lane l = tab[idx[l]] for idx < n (a gather); masked-off lanes are 0.
 static inline VF vtab(const float* tab, int, VI idx, VM m) { return vgather_idx(tab, idx, m); }
-static inline VI ci_tab(const int32_t* tab, int, VI idx, VM m) { return ci_gather(tab, _mm256_slli_epi32(idx, 2), m); }
 // the fp16 in the low half of each lane -> float
 static inline VF ci_f16lo(VI a) {
   const __m256i w = _mm256_shuffle_epi8(a, _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1,

@@ -375,9 +375,6 @@ static inline __attribute__((always_inline)) VF vtab(const float* tab, int n, VI
                              tab128(tab, 1, n, idx));
   return _mm512_maskz_mov_ps(m, x);
 }
-static inline VI ci_tab(const int32_t* tab, int n, VI idx, VM m) {
-  return _mm512_castps_si512(vtab((const float*)tab, n, idx, m));
-}
 // the fp16 in the low half of each lane -> float
 static inline VF ci_f16lo(VI a) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(a)); }
 static inline void ci_store(int32_t* p, VI a) { _mm512_storeu_si512((void*)p, a); }

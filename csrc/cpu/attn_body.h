@@ -432,9 +432,9 @@ static void cvt_f16_row(const uint8_t* src, int D, int kind, float* dst) {
 
 // How the integer Q.K reads a key codec that is not plain int8/4/2 codes (see "integer Q.K"):
 // 3-bit codes repacked as 4-bit rows (AVX2: by pdep where it is fast; nuq3 keys stay on the
-// fp32 Q.K there: with the repack and their outlier slots 15.2 vs 13.6 ms, 32/8/128 b4 8k); nuq levels through a byte table u[code] (lut), the
-// value level * s + z then being u * (s * delta) + (z + s * lmin), an int code with those
-// scale and zero rows.
+// fp32 Q.K there: with the repack and their outlier slots 15.2 vs 13.6 ms, 32/8/128 b4 8k);
+// nuq levels through a byte table u[code] (lut), the value level * s + z then being
+// u * (s * delta) + (z + s * lmin), an int code with those scale and zero rows.
 // The byte levels span [0, 127], not [0, 255]: a pair of 7-bit levels times int8 query
 // bytes cannot saturate AVX2's vpmaddubsw (2 * 127 * 127 < 2^15), so nuq keys take the same
 // 3-instruction dot as 4/2-bit codes there instead of splitting bytes into 16-bit words (9);
@@ -451,6 +451,21 @@ struct IntKey {
   float lmin, delta;
   uint8_t lut[16];   // u[code mod 2^bits] (nuq)
 };
+
+// A nuq codebook of 2^bits ascending levels as bytes u = rint((level - lmin) * top /
+// (lmax - lmin)) into ik (lut, lmin, delta); false for a codebook with one level (the exact
+// path then reads it).
+static inline bool nuq_byte_form(const float* levels, int bits, int top, IntKey& ik) {
+  const int n = 1 << bits;
+  const float lmin = levels[0], lmax = levels[n - 1];
+  if (!(lmax > lmin)) return false;
+  const float inv = (float)top / (lmax - lmin);
+  for (int i = 0; i < 16; ++i)
+    ik.lut[i] = (uint8_t)iclamp((int)rintf((levels[i % n] - lmin) * inv), 0, top);
+  ik.lmin = lmin;
+  ik.delta = (lmax - lmin) / (float)top;
+  return true;
+}
 
 // s, z (n floats each) -> s * delta, z + s * lmin (the nuq levels' affine byte form)
 static inline void nuq_int_scales(const IntKey& ik, float* s, float* z, int n) {
@@ -1855,40 +1870,16 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   ik.repack3 = P.kc.bits == 3 && !int_qk_raw3(P.kc, P.qk3);
   ik.pdep = P.fast_pdep != 0;
   ik.nuq = P.kc.encoding == kvq::ENC_NUQ;
-  if (iqk && ik.nuq) {
-    const int n = 1 << P.kc.bits;
-    const float lmin = P.k_levels[0], lmax = P.k_levels[n - 1];  // ascending
-    if (lmax > lmin) {
-      const float top = (float)kNuqKeyLevelMax, inv = top / (lmax - lmin);
-      for (int i = 0; i < 16; ++i)
-        ik.lut[i] = (uint8_t)iclamp((int)rintf((P.k_levels[i % n] - lmin) * inv), 0,
-                                    kNuqKeyLevelMax);
-      ik.lmin = lmin;
-      ik.delta = (lmax - lmin) / top;
-    } else {
-      iqk = false;
-    }
-  }
+  if (iqk && ik.nuq) iqk = nuq_byte_form(P.k_levels, P.kc.bits, kNuqKeyLevelMax, ik);
   const IntKey* ikp = iqk && (P.kc.bits == 3 || ik.nuq) ? &ik : nullptr;
   // nuq 4-bit values in the fused P.V on a path without a 16-float table lookup (pv_byte):
   // byte levels over [0, kNuqValueLevelMax] (K_B4, IntKey's affine form of the value scale
   // rows). Each level moves by at most 1/510 of the codebook's range.
   IntKey vik{};
-  bool vbyte = KVQ_HAS_PV_BYTE && fused && P.pv_byte && !vbf &&
-               P.vc.encoding == kvq::ENC_NUQ && P.vc.bits == 4 && P.v_levels;
-  if (vbyte) {
-    const float lmin = P.v_levels[0], lmax = P.v_levels[15];  // ascending
-    vbyte = lmax > lmin;
-    if (vbyte) {
-      const float top = (float)kNuqValueLevelMax, inv = top / (lmax - lmin);
-      for (int i = 0; i < 16; ++i)
-        vik.lut[i] = (uint8_t)iclamp((int)rintf((P.v_levels[i] - lmin) * inv), 0,
-                                     kNuqValueLevelMax);
-      vik.nuq = true;
-      vik.lmin = lmin;
-      vik.delta = (lmax - lmin) / top;
-    }
-  }
+  vik.nuq = true;
+  const bool vbyte = KVQ_HAS_PV_BYTE && fused && P.pv_byte && !vbf &&
+                     P.vc.encoding == kvq::ENC_NUQ && P.vc.bits == 4 && P.v_levels &&
+                     nuq_byte_form(P.v_levels, 4, kNuqValueLevelMax, vik);
   const uint8_t* klut = iqk && ik.nuq ? ik.lut : nullptr;
   const bool ichn = iqk && P.kc.granularity == kvq::GRAN_CHANNEL;
   const bool igrp = iqk && P.kc.granularity == kvq::GRAN_GROUP;

@@ -291,11 +291,6 @@ static inline VF vload_m(const float* p, VM m) {
   return r;
 }
 static inline VF vtab(const float* tab, int, VI idx, VM m) { return vgather_idx(tab, idx, m); }
-static inline VI ci_tab(const int32_t* tab, int, VI idx, VM m) {
-  VI r;
-  for (int l = 0; l < W; ++l) r.i[l] = (m >> l) & 1 ? tab[idx.i[l]] : 0;
-  return r;
-}
 static inline VF ci_f16lo(VI a) {
   VF r;
   for (int l = 0; l < W; ++l) r.v[l] = kvq::fp16_to_float((uint16_t)(a.i[l] & 0xFFFF));
