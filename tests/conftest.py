@@ -84,3 +84,13 @@ def assert_within(cmp: dict, bounds: tuple, min_positions: int = 0) -> None:
     assert cmp["mean_kl"] <= max_kl, cmp
     assert cmp["agreement_confident"] >= min_agree, cmp
     assert abs(cmp["ppl_change"]) <= max_ppl, cmp
+
+
+def assert_same_up_to_ties(got, want, margins, tie_nats):
+    """Per sequence, `got`'s greedy tokens equal `want`'s until, if ever, a step where
+    `want`'s top two log-probs (`margins`) were less than `tie_nats` apart."""
+    from vllm_kvq.tools.evaluate import first_divergence
+
+    for a, b, m in zip(got, want, margins, strict=True):
+        i = first_divergence(a, b)
+        assert i is None or m[i] < tie_nats, (i, m[:i + 1])

@@ -94,6 +94,7 @@ def main(argv: list[str]):
         budget = extra.pop("kv_budget", 256 << 20)
         new_tokens = extra.pop("new_tokens", 0)
         seqs = extra.pop("seqs", 8)
+        prompt_lens = extra.pop("prompt_lens", SPEC_PROMPT_LENS)  # the spec scenario's
         if "kv_pages" in extra:  # a budget of exactly this many pages
             budget = pages_budget(method, extra.pop("kv_pages"))
         extra.setdefault("disable_log_stats", False)  # preemption counts
@@ -121,7 +122,7 @@ def main(argv: list[str]):
         elif scenario == "spec":
             # greedy continuations of real text, with or without speculative decoding
             # (extra's speculative_config); margins from the run without it
-            prompts = [windows[i % 4][:n] for i, n in enumerate(SPEC_PROMPT_LENS[:seqs])]
+            prompts = [windows[i % 4][:n] for i, n in enumerate(prompt_lens[:seqs])]
             result["tokens"], result["margins"] = greedy_with_margins(
                 llm, [{"prompt_token_ids": p} for p in prompts], new_tokens, ignore_eos=True,
                 margins="speculative_config" not in extra)

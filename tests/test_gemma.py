@@ -7,8 +7,10 @@ sliding window, so its layers drop the oldest keys within every window.
 import json
 
 import pytest
-from conftest import assert_within, grid
+from conftest import assert_same_up_to_ties, assert_within, grid
 from conftest import run_engine as run
+from test_engine_cache import (CHUNKED, PREFIX_TIE_NATS, SPEC_RUN, SPEC_TIE_NATS,
+                               SPECULATIVE)
 
 from vllm_kvq.formats import parse_format
 from vllm_kvq.tools.evaluate import compare_runs
@@ -44,7 +46,12 @@ def test_our_bf16_is_vllm_bf16_on_gemma3():
 # per-layer codebooks of the sliding-window and global layers. Measured (AVX-512 machine):
 # KL 0.0103, +2.2% ppl, 99.4% confident agreement (657 positions); the calibration-free
 # nuq3_lm, same bytes: KL 0.0169 (see the TP measurements below).
-QUALITY = {"kivi2": (0.12, 0.90, 0.15), "nuq3": (0.02, 0.985, 0.04)}
+# fp8_e4m3, int8_token, int4_group32 (AVX2 machine, 2026-12-05; the int4_group32 run is the
+# tensor-parallel test's one-worker run): KL 0.0037 / 0.0032 / 0.047, ppl +0.44% / +0.20% /
+# +6.3%, confident agreement 99.8% / 100% / 95.9% (657 positions).
+QUALITY = {"fp8_e4m3": (0.01, 0.99, 0.015), "int8_token": (0.01, 0.99, 0.015),
+           "int4_group32": (0.09, 0.92, 0.10), "kivi2": (0.12, 0.90, 0.15),
+           "nuq3": (0.02, 0.985, 0.04)}
 
 
 @pytest.mark.parametrize("method", list(QUALITY))
@@ -57,6 +64,66 @@ def test_quantized_cache_on_gemma3_quality_and_capacity(method):
     # vLLM's block count at vLLM's default max_num_seqs: the layout's ratio, window included
     assert other["capacity_tokens"] / base["capacity_tokens"] == pytest.approx(
         parse_format(method).ratio_vs_bf16(HEAD_DIM, 128), rel=0.02)
+
+
+def test_prefix_caching_does_not_change_outputs_on_gemma3():
+    """As tests/test_engine_cache.py's test of the same name, on Gemma 3: six prompts share
+    a 600-token prefix, longer than the 512-token sliding window, so a hit hands the
+    sliding-window layers cached blocks of which the oldest have left their window (vLLM
+    gives them the null block) and the tails are prefilled against the rest. kivi2: the
+    residual window survives the hit too. Measured (AVX2 machine): the cached run's first
+    and second rounds equal the uncached run's except where its top two were 0.003-0.004
+    nats apart (2 of 12)."""
+    prompts = {"model": "gemma3"}  # the greedy scenario cuts its prompts from 4 windows
+    plain = run("greedy", "kivi2", json.dumps({**prompts, "enable_prefix_caching": False}))
+    cached = run("greedy", "kivi2", json.dumps({**prompts, "enable_prefix_caching": True}))
+    assert plain["first"] == plain["second"]
+    for rnd in ("first", "second"):
+        assert_same_up_to_ties(cached[rnd], plain["first"], plain["margins"], PREFIX_TIE_NATS)
+
+
+def test_small_prefill_chunks_read_the_same_cache_on_gemma3():
+    """The quality window (1024 tokens) prefilled in 96-token chunks vs one chunk: each
+    chunk's sliding-window layers read the last 512 positions back from the quantized pages
+    and the residual window. Two draws of kivi2's rounding (the chunked test in
+    tests/test_engine_cache.py says why), so what must hold is the distance to bf16.
+    Measured (AVX2 machine): KL chunked vs whole 0.014, chunked vs bf16 0.072, whole vs
+    bf16 0.066; agreement 93.3% / 94.2%. A chunk reading a wrong or stale block: KL ~1."""
+    base = run("quality", "bf16", json.dumps(GEMMA))
+    whole = run("quality", "kivi2", json.dumps(GEMMA))
+    chunked = run("quality", "kivi2", json.dumps({**GEMMA, "enable_prefix_caching": False,
+                                                  **CHUNKED}))
+    cmp = compare_runs(whole, chunked)
+    own, own_chunked = compare_runs(base, whole), compare_runs(base, chunked)
+    print(json.dumps({"chunked_vs_whole": cmp, "whole_vs_bf16": own,
+                      "chunked_vs_bf16": own_chunked}))
+    # one window of 1024 tokens: twice the noise of the 3-window SmolLM2 test's bounds
+    assert own_chunked["mean_kl"] == pytest.approx(own["mean_kl"], rel=0.2), (own_chunked, own)
+    assert abs(own_chunked["agreement_confident"] - own["agreement_confident"]) < 0.02
+    assert cmp["mean_kl"] < own["mean_kl"] / 2, (cmp, own)
+
+
+# Speculative decoding on Gemma 3: prompts of 180-950 tokens + 96 new ones, so drafts are
+# verified and rolled back while the sliding-window layers drop blocks (and, for kivi2,
+# while the residual window and per-channel key groups fill). SmolLM2: test_engine_cache.
+GEMMA_SPEC = {**SPEC_RUN, "model": "gemma3", "prompt_lens": [180, 470, 700, 950]}
+
+
+@pytest.mark.parametrize("method", ["kivi2", "int4_group32"])
+def test_speculative_decoding_gives_the_same_greedy_tokens_on_gemma3(method):
+    """Measured (AVX2 machine, 2026-12-05): kivi2 384 draft tokens, 199 accepted, 4 of 4
+    sequences identical; int4_group32 380 / 214, 2 of 4 identical, the others first differ
+    where the plain run's top two were 0.21 and 0.12 nats apart (a verification step's
+    other matmul shapes: another draw of the 4-bit rounding). vLLM's own backend and our
+    bf16: 4 of 4 identical."""
+    plain = run("spec", method, json.dumps(GEMMA_SPEC))
+    spec = run("spec", method, json.dumps({**GEMMA_SPEC, "speculative_config": SPECULATIVE}))
+    print(json.dumps({"method": method, "drafted": spec["spec_draft_tokens"],
+                      "accepted": spec["spec_accepted_tokens"],
+                      "identical": sum(a == b for a, b in zip(plain["tokens"], spec["tokens"]))}))
+    assert 0 < spec["spec_accepted_tokens"] < spec["spec_draft_tokens"], spec
+    assert [len(t) for t in spec["tokens"]] == [SPEC_RUN["new_tokens"]] * SPEC_RUN["seqs"]
+    assert_same_up_to_ties(spec["tokens"], plain["tokens"], plain["margins"], SPEC_TIE_NATS)
 
 
 # Tensor parallel 2 (two CPU workers, one core each): Gemma 3's single kv head is replicated
