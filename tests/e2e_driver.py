@@ -95,6 +95,8 @@ def main(argv: list[str]):
         new_tokens = extra.pop("new_tokens", 0)
         seqs = extra.pop("seqs", 8)
         prompt_lens = extra.pop("prompt_lens", SPEC_PROMPT_LENS)  # the spec scenario's
+        # the greedy scenario's tokens per prompt and rounds (1: no second, cached round)
+        greedy_tokens, rounds = extra.pop("greedy_tokens", 40), extra.pop("rounds", 2)
         if "kv_pages" in extra:  # a budget of exactly this many pages
             budget = pages_budget(method, extra.pop("kv_pages"))
         extra.setdefault("disable_log_stats", False)  # preemption counts
@@ -107,8 +109,10 @@ def main(argv: list[str]):
         elif scenario == "greedy":
             prompts = [{"prompt_token_ids": p} for p in shared_prefix_prompts(windows)]
             # twice: with prefix caching on, the second round is served from cached blocks
-            result["first"], result["margins"] = greedy_with_margins(llm, prompts, 40)
-            result["second"], _ = greedy_with_margins(llm, prompts, 40)
+            result["first"], result["margins"] = greedy_with_margins(llm, prompts,
+                                                                     greedy_tokens)
+            if rounds == 2:
+                result["second"], _ = greedy_with_margins(llm, prompts, greedy_tokens)
         elif scenario == "preempt":
             # `seqs` prompts (8: 700-763 tokens; 16: the next 8 are 424-624) + new_tokens
             # generated (7-8 pages each for 160), all at once (distinct text: no prefix-cache

@@ -895,6 +895,47 @@ def test_attention_split_long_context():
         torch.set_num_threads(old)
 
 
+# Speculative verification steps put 1 + k query tokens of a sequence in one call: chunks of
+# up to 8 (csrc/cpu/attention.cpp kDecodeRowsMax) run as one decode task per token, so each
+# row is, bit for bit, the decode step at its position (the same fused body and int8 query,
+# the same staging rows and window). Contexts < 1024: no flash-decoding split (it depends on
+# how many tasks a call has, so a long context split in one call and not in the other sums
+# in another order). The 9-token chunk is a prefill tile: checked against the reference.
+VERIFY_SEQS = [(300, 5), (97, 3), (700, 8), (130, 1), (450, 9)]
+VERIFY_CASES = [("int4_group32", 64, 3, 3, 0, torch.float32),
+                ("int4_group32", 128, 4, 2, 0, torch.bfloat16),
+                ("kivi2", 64, 3, 3, 0, torch.float32),
+                ("nuq3", 256, 4, 1, 512, torch.bfloat16),
+                ("int8_token", 64, 3, 2, 96, torch.float32),
+                ("bf16", 128, 4, 2, 0, torch.float32)]
+
+
+@pytest.mark.parametrize("name,D,gq,H,W,dtype", VERIFY_CASES,
+                         ids=[f"{c[0]}-D{c[1]}-W{c[4]}-{str(c[5])[6:]}" for c in VERIFY_CASES])
+def test_short_chunks_equal_decode_steps(name, D, gq, H, W, dtype):
+    fmt = parse_format(name)
+    levels = tuple(reference.uniform_levels(x.bits) if x.encoding == "nuq" else None
+                   for x in (fmt.key, fmt.value))
+    c = build_case(name, D, max(64, fmt.residual_chunk), gq=gq, H=H, dtype=dtype,
+                   seqs=VERIFY_SEQS, seed=D + W, levels=levels, window=W)
+    qsl = c["query_start_loc"].tolist()
+    ref = run_refs(c)
+    for path in PATHS:
+        chunk = run_mine(c, path)
+        assert_attn_close(chunk, ref, dtype, what=f"{name} {path}")
+        for s, (L, nq) in enumerate(VERIFY_SEQS[:-1]):
+            for i in range(nq):
+                row = qsl[s] + i
+                one = dict(c, query=c["query"][row:row + 1].contiguous(),
+                           block_table=c["block_table"][s:s + 1],
+                           seq_lens=torch.tensor([L - nq + i + 1], dtype=torch.int32),
+                           query_start_loc=torch.tensor([0, 1], dtype=torch.int32))
+                if "staging_k" in c:
+                    one.update(staging_start_loc=c["staging_start_loc"][s:s + 1],
+                               staging_pos0=c["staging_pos0"][s:s + 1])
+                assert torch.equal(run_mine(one, path), chunk[row:row + 1]), (path, s, i)
+
+
 def test_attention_detects_wrong_scale():
     """The tolerances are tight: a 1% static scale error or one corrupted stored scale is
     caught."""

@@ -21,6 +21,10 @@ namespace {
 
 enum Path { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVX512 = 2 };
 
+// Chunks of at most this many query tokens run as one decode task per token (speculative
+// verification steps: 1 + num_speculative_tokens rows per sequence); longer ones in tiles.
+constexpr int kDecodeRowsMax = 8;
+
 Path best_path() {
   static const Path best = [] {
     __builtin_cpu_init();
@@ -255,6 +259,29 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                   " = rows ", stg_base + slo, "..", stg_base + shi - 1,
                   " but staging holds positions from staging_pos0=", sp0[s], " and has ", Ns,
                   " rows");
+    }
+    // A short chunk (a speculative verification step: 1 + k drafts) runs as one decode
+    // task per query token, each computing what a plain decode step at its position does
+    // (the fused body, the int8 query where a decode takes it): greedy tokens with and
+    // without speculation then differ by the model's own float noise only.
+    if (nq > 1 && nq <= kDecodeRowsMax) {
+      for (int i = 0; i < nq; ++i) {
+        const int p = first + i, F = (p + 1) / R * R;
+        int tlo, thi;
+        stg_range(p, p + 1, tlo, thi);
+        for (int h = 0; h < H; ++h) {
+          AttnTask t{};
+          t.s = s; t.h = h; t.tok0 = q0 + i; t.nq = 1; t.pos0 = p;
+          t.kbeg = W ? std::min(F, std::max(0, p - W + 1)) : 0;
+          t.kend = F;
+          t.staging = tlo < thi ? 1 : 0;
+          t.stg_base = stg_base;
+          t.part = -1;
+          t.decode = 1;
+          tasks.push_back(t);
+        }
+      }
+      continue;
     }
     // Tiles of equal size (at most qt rows): no 1-row remainder tile, which would run the
     // decode body for a prefill row.
