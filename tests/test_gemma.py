@@ -9,8 +9,7 @@ import json
 import pytest
 from conftest import assert_same_up_to_ties, assert_within, grid
 from conftest import run_engine as run
-from test_engine_cache import (CHUNKED, PREFIX_TIE_NATS, SPEC_RUN, SPEC_TIE_NATS,
-                               SPECULATIVE)
+from test_engine_cache import CHUNKED, PREFIX_TIE_NATS, SPEC_RUN, check_speculative
 
 from vllm_kvq.formats import parse_format
 from vllm_kvq.tools.evaluate import compare_runs
@@ -120,14 +119,7 @@ def test_speculative_decoding_gives_the_same_greedy_tokens_on_gemma3(method):
     tests/test_engine_cache.py SPEC_RUN): int4_group32 236 draft tokens, 125 accepted, kivi2
     236 / 101, both 4 of 4 sequences identical. vLLM's own backend and our bf16 (96
     tokens): 4 of 4."""
-    plain = run("spec", method, json.dumps(GEMMA_SPEC))
-    spec = run("spec", method, json.dumps({**GEMMA_SPEC, "speculative_config": SPECULATIVE}))
-    print(json.dumps({"method": method, "drafted": spec["spec_draft_tokens"],
-                      "accepted": spec["spec_accepted_tokens"],
-                      "identical": sum(a == b for a, b in zip(plain["tokens"], spec["tokens"]))}))
-    assert 0 < spec["spec_accepted_tokens"] < spec["spec_draft_tokens"], spec
-    assert [len(t) for t in spec["tokens"]] == [GEMMA_SPEC["new_tokens"]] * SPEC_RUN["seqs"]
-    assert_same_up_to_ties(spec["tokens"], plain["tokens"], plain["margins"], SPEC_TIE_NATS)
+    check_speculative(method, GEMMA_SPEC)
 
 
 # Tensor parallel 2 (two CPU workers, one core each): Gemma 3's single kv head is replicated
