@@ -27,9 +27,9 @@ N_WINDOWS, WINDOW = 3, 1024
 QUALITY_BUDGET = 1 << 30
 
 
-# the speculative-decoding scenario's prompt lengths: continuations that cross residual-chunk
-# boundaries (32: nuq3; 128: kivi2) at different offsets
-SPEC_PROMPT_LENS = (97, 180, 301, 444)
+# the speculative-decoding scenario's prompt lengths: continuations of 64 tokens that cross
+# residual-chunk boundaries (32: nuq3; 128: kivi2, each of 128..512 once) at different offsets
+SPEC_PROMPT_LENS = (97, 220, 350, 480)
 
 
 def shared_prefix_prompts(windows):
