@@ -343,8 +343,8 @@ SPEC_RUN = {"seqs": 4, "new_tokens": 64, "env": {"KVQ_EXACT_QK": "1", "KVQ_EXACT
 # Measured (AVX2 machine, 2026-12-05; first divergence of each sequence at the plain run's
 # top-1 vs top-2 margin there): SmolLM2 int4_group32 and kivi2 4 of 4 identical (96 tokens
 # from (97, 180, 301, 444): kivi2 3 of 4, one at a 0.0004-nat tie); Gemma 3
-# (tests/test_gemma.py) int4_group32 and kivi2 4 of 4. On the default kernels (96 tokens):
-# SmolLM2 4 of 4 for both; Gemma 3 int4_group32 3 of 4 (0.009 nats), kivi2 3 of 4 (0.31).
+# (tests/test_gemma.py) int4_group32 and kivi2 4 of 4. On the default kernels: SmolLM2 (96
+# tokens) 4 of 4 for both; Gemma 3 int4_group32 3 of 4 (0.009 nats), kivi2 3 of 4 (0.31).
 # Before verification rows ran as decodes (prefill tiles, 2026-12-04 and this morning),
 # exact kernel both sides: SmolLM2 int4_group32 2 of 4, Gemma 3 int4_group32 0 of 4 (at
 # 0.001-0.21 nats); default kernels: divergences up to 0.34 nats. 3% of the plain runs'
