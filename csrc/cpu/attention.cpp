@@ -263,29 +263,11 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     // A short chunk (a speculative verification step: 1 + k drafts) runs as one decode
     // task per query token, each computing what a plain decode step at its position does
     // (the fused body, the int8 query where a decode takes it): greedy tokens with and
-    // without speculation then differ by the model's own float noise only.
-    if (nq > 1 && nq <= kDecodeRowsMax) {
-      for (int i = 0; i < nq; ++i) {
-        const int p = first + i, F = (p + 1) / R * R;
-        int tlo, thi;
-        stg_range(p, p + 1, tlo, thi);
-        for (int h = 0; h < H; ++h) {
-          AttnTask t{};
-          t.s = s; t.h = h; t.tok0 = q0 + i; t.nq = 1; t.pos0 = p;
-          t.kbeg = W ? std::min(F, std::max(0, p - W + 1)) : 0;
-          t.kend = F;
-          t.staging = tlo < thi ? 1 : 0;
-          t.stg_base = stg_base;
-          t.part = -1;
-          t.decode = 1;
-          tasks.push_back(t);
-        }
-      }
-      continue;
-    }
-    // Tiles of equal size (at most qt rows): no 1-row remainder tile, which would run the
+    // without speculation then differ by the model's own float noise only. Longer chunks:
+    // tiles of equal size (at most qt rows), no 1-row remainder tile, which would run the
     // decode body for a prefill row.
-    const int ntiles = (nq + qt - 1) / qt, per_tile = (nq + ntiles - 1) / ntiles;
+    const bool decodes = nq <= kDecodeRowsMax;
+    const int ntiles = decodes ? nq : (nq + qt - 1) / qt, per_tile = (nq + ntiles - 1) / ntiles;
     for (int i0 = 0; i0 < nq; i0 += per_tile) {
       const int n = std::min(per_tile, nq - i0);
       const int plast = first + i0 + n - 1;
@@ -301,7 +283,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
         t.staging = tlo < thi ? 1 : 0;
         t.stg_base = stg_base;
         t.part = -1;
-        t.decode = nq == 1 ? 1 : 0;
+        t.decode = decodes ? 1 : 0;
         tasks.push_back(t);
       }
     }
