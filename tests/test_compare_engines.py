@@ -1,6 +1,6 @@
 """`vllm-kvq compare` on real engines: the real model, real text, our backend.
 
-The quality runs are tests/e2e_driver.py's "quality" scenario (3 x 1024 tokens), shared
+The quality runs are tests/e2e_driver.py's "quality" scenario (2 x 1024 tokens), shared
 through conftest.run_engine with tests/test_engine_cache.py: the same engine runs serve both.
 The scoring, report and plots without engines are tested in
 tests/test_compare_without_engines.py.
@@ -28,7 +28,7 @@ def test_bf16_against_itself_real_run():
     base = run("quality", "bf16")
     cmp = score_quality(base, base)
     assert cmp["mean_kl"] == 0.0 and cmp["ppl"] == cmp["ppl_base"]
-    assert cmp["positions"] >= 3000 and cmp["verdict"] == "near-lossless"
+    assert cmp["positions"] >= 2000 and cmp["verdict"] == "near-lossless"
 
 
 def test_a_broken_cache_is_detected():

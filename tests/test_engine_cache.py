@@ -27,11 +27,16 @@ BUDGET = 1 << 30  # the quality runs' (tests/e2e_driver.py), at vLLM's default m
 # int4_group32 0.027 / 97.5% / +3.6%; kivi4 0.0018 / 99.96% / +0.16%;
 # kivi2 0.082 / 91.2% / +15.5%; nuq3 (shipped calibration) 0.0103 / 99.44% / +1.1%;
 # int4_group32_rot (Hadamard-rotated K/V) 0.0201 / 98.6% / +3.9% (int4_group32 in the same
-# run: 0.0273 / 97.5% / +3.8%). The same on the 3 x 1024 tokens the tests use now (AVX-512,
+# run: 0.0273 / 97.5% / +3.8%). The same on 3 x 1024 tokens (AVX-512,
 # 2026-12-02): fp8_e4m3 0.0043 / 99.95% / +1.1%; int8_token 0.00023 / 100% / -0.06%;
 # int4_group32 0.0276 / 97.4% / +4.2%; kivi4 0.0018 / 100% / +0.05%; kivi2 0.084 / 91.4% /
 # +17.0%; nuq3 0.0102 / 99.25% / +1.5%; int4_group32_rot 0.0205 / 98.6% / +4.1%;
-# nuq3_lm_rot 0.0142 (x1.40 nuq3's; x1.36 on 4 x 1024).
+# nuq3_lm_rot 0.0142 (x1.40 nuq3's; x1.36 on 4 x 1024). On the 2 x 1024 tokens the tests
+# use now (AVX2-only Zen 3, 2026-12-06): fp8_e4m3 0.0046 / 100% / +1.1%; int8_token 0.00024
+# / 100% / -0.04%; int4_group32 0.0279 / 97.3% / +3.8%; kivi4 0.0018 / 100% / +0.08%; kivi2
+# 0.081 / 90.8% / +15.0%; nuq3 0.0096 / 99.25% / +0.96%; int4_group32_rot 0.0211 / 98.4% /
+# +3.6% (x0.76 int4_group32's); nuq3_lm_rot 0.0135 (x1.41 nuq3's). 96-token chunks vs whole
+# there: int4_group32 KL to bf16 0.0285 vs 0.0279, kivi2 0.0824 vs 0.0815.
 QUALITY = {
     "fp8_e4m3": (0.01, 0.995, 0.02),
     "int8_token": (0.001, 0.995, 0.003),
@@ -48,7 +53,7 @@ ROTATION_KL_RATIO = 0.9
 # calibration-free nuq3_lm_rot's mean KL vs bf16 over nuq3's (shipped calibration), at most
 LM_KL_RATIO = 1.5
 
-BF16_MODEL = json.dumps({"dtype": "bfloat16", "windows": 1})
+BF16_MODEL = json.dumps({"dtype": "bfloat16", "windows": 1, "window": 512})
 # (max mean KL, min confident agreement, max |ppl change|) of our bf16 cache vs vLLM's,
 # bf16 model. Measured on an AVX-512 (VNNI, BF16) machine, 2 x 1024 SOTU tokens: KL
 # 0.00113 on our AVX-512 path and 0.00111 with KVQ_SIMD=avx2, 100% confident agreement
@@ -62,16 +67,16 @@ BF16_PARITY = (0.004, 0.995, 0.01)
 def test_our_bf16_is_vllm_bf16():
     """With a bf16 model both backends store the same bf16 K/V; only the kernels differ
     (summation order; vLLM's own CPU kernels change with AVX512-BF16). Teacher-forced over
-    1024 tokens (2 x 1024 until suite time asked for ~30 s less: a bf16 model computes ~3x
-    slower on CPUs without AVX512-BF16), the next-token distributions must agree up to that
-    float noise.
+    512 tokens, four pages (2 x 1024, then 1 x 1024, until suite time asked for less: a bf16
+    model computes ~3x slower on CPUs without AVX512-BF16), the next-token distributions
+    must agree up to that float noise.
     Exact greedy tokens are not compared: they held on an AVX2 machine and flipped at a
     0.125-nat margin on an AVX-512 one, so they prove nothing about the cache.
     Measured: see BF16_PARITY below; a stale block or a wrong scale lands at KL ~1."""
     ours, theirs = run("quality", "bf16", BF16_MODEL), run("quality", "vllm", BF16_MODEL)
     cmp = compare_runs(theirs, ours)
     print(json.dumps(cmp))
-    assert_within(cmp, BF16_PARITY, min_positions=1000)
+    assert_within(cmp, BF16_PARITY, min_positions=500)
     assert ours["capacity_tokens"] == pytest.approx(theirs["capacity_tokens"], rel=0.02)
 
 
@@ -80,7 +85,7 @@ def test_quality_against_bf16(method):
     base, other = run("quality", "bf16"), run("quality", method)
     cmp = compare_runs(base, other)
     print(method, json.dumps(cmp))
-    assert_within(cmp, QUALITY[method], min_positions=3000)
+    assert_within(cmp, QUALITY[method], min_positions=2000)
 
 
 def expected_capacity(method: str, layers: int = SMOL["layers"]) -> int:
@@ -173,7 +178,7 @@ CHUNKED = {"enable_chunked_prefill": True, "max_num_batched_tokens": 96, "max_nu
 
 @pytest.mark.parametrize("method", ["int4_group32", "kivi2"])
 def test_small_prefill_chunks_read_the_same_cache(method):
-    """Teacher-forced over the quality windows (3 x 1024 tokens; measured below on 4 x 1024),
+    """Teacher-forced over the quality windows (2 x 1024 tokens; measured below on 4 x 1024),
     prefilled in 96-token chunks vs one chunk per
     window: every chunk's queries read earlier chunks back from the quantized pages (and
     the residual window). A chunk that read a stale or misplaced block, or lost the
