@@ -31,9 +31,10 @@ say() { echo "[install] $*" >&2; }
 
 # Build tools (requirements/build-tools.txt) live under $KVQ_CACHE, keyed by that file;
 # the images do not copy it and build without them.
+cache="${KVQ_CACHE:-$HOME/.cache/vllm-kvq}"
 tools=""
 if [[ -f requirements/build-tools.txt ]]; then
-  tools="${KVQ_CACHE:-$HOME/.cache/vllm-kvq}/build-tools-$(sha256sum requirements/build-tools.txt | cut -c1-12)"
+  tools="$cache/build-tools-$(sha256sum requirements/build-tools.txt | cut -c1-12)"
 fi
 
 step="${1:-}"
@@ -67,11 +68,9 @@ case "$step" in
     # an earlier build of the same sources left in $KVQ_CACHE/ccache (BASEDIR, NOHASHDIR:
     # from clones in other folders too). Every build of this checkout goes through it, so
     # ninja's objects in build/ stay valid for all of them (same compile command).
-    if [[ -n "$tools" && -x "$tools/bin/ccache" && -z "${CXX:-}" ]]; then
-      mkdir -p "$tools/masquerade"
-      ln -sfn ../bin/ccache "$tools/masquerade/c++"  # called as c++, ccache runs the real c++
-      export CXX="$tools/masquerade/c++" CCACHE_DIR="${KVQ_CACHE:-$HOME/.cache/vllm-kvq}/ccache" \
-        CCACHE_BASEDIR="$PWD" CCACHE_NOHASHDIR=1
+    if [[ -n "$tools" && -x "$tools/masquerade/c++" && -z "${CXX:-}" ]]; then
+      export CXX="$tools/masquerade/c++" CCACHE_DIR="$cache/ccache" CCACHE_BASEDIR="$PWD" \
+        CCACHE_NOHASHDIR=1
     fi
     mkdir -p build
     cfg="$PWD/build/kvq-editable.cfg"
@@ -90,10 +89,12 @@ case "$step" in
     ;;
   build-tools)
     [[ -n "$tools" ]] || { say "no requirements/build-tools.txt"; exit 1; }
-    [[ -x "$tools/bin/ccache" ]] && exit 0
+    [[ -x "$tools/masquerade/c++" ]] && exit 0
     say "pip install --target $tools -r requirements/build-tools.txt"
-    rm -rf "$tools.tmp"
+    rm -rf "$tools" "$tools.tmp"
     pip_ install --quiet --target "$tools.tmp" -r requirements/build-tools.txt
+    mkdir "$tools.tmp/masquerade"
+    ln -s ../bin/ccache "$tools.tmp/masquerade/c++"  # called as c++, ccache runs the real c++
     mv "$tools.tmp" "$tools"  # whole or absent, for the next run
     ;;
   model)
