@@ -1,7 +1,7 @@
 """End-to-end decode and prefill speed through real vLLM: each method vs vLLM's own backend.
 
 Every method runs in its own engine process (the same model, prompts and budget): the
-prompts are prefilled (timed: prefill, best of --repeats cold prefills: the prefix cache is
+prompts (--prompt-len + 1 tokens: see _prompts) are prefilled (timed: prefill, best of --repeats cold prefills: the prefix cache is
 reset between them), then served again from the prefix cache with N new tokens (timed:
 decode, minus the time of the same cached request with 1 token), best of --repeats. Wall
 time and the process's CPU time are both reported. Ratios are to vLLM's own CPU backend
@@ -31,8 +31,14 @@ DEFAULT_METHODS = "vllm,bf16,int8_token,int4_group32,kivi2,nuq3"
 
 
 def _prompts(model: str, seqs: int, prompt_len: int) -> list[list[int]]:
+    """prompt_len + 1 tokens each: served again from the prefix cache, a prompt then has all
+    its full blocks cached and one token recomputed. With a prompt of whole blocks vLLM
+    recomputes its last block (it always computes at least one token, in whole cached
+    blocks), a 128-token prefill per sequence inside both timed runs of the decode
+    difference: 16 x 2048 tokens, ~4.7 s of each run on 2 cores, whose noise the decode
+    time inherited."""
     from vllm_kvq.tools.evaluate import default_windows
-    return default_windows(model, seqs, prompt_len)
+    return default_windows(model, seqs, prompt_len + 1)
 
 
 def _engine(method: str, model: str, args):
@@ -40,11 +46,11 @@ def _engine(method: str, model: str, args):
 
     from vllm_kvq.tools.evaluate import engine_kwargs
 
-    max_len = args.prompt_len + args.new_tokens + 16
+    max_len = args.prompt_len + 1 + args.new_tokens + 16
     budget = int(args.budget_mib) << 20
     return LLM(**engine_kwargs(method, model, budget, max_len, dtype=args.dtype,
                                enable_prefix_caching=True, max_num_seqs=args.seqs,
-                               max_num_batched_tokens=max(2048, args.prompt_len)))
+                               max_num_batched_tokens=max(2048, args.prompt_len + 1)))
 
 
 def _measure(llm, prompts, args) -> dict:
