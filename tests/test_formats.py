@@ -83,7 +83,9 @@ def test_residual_memory_is_per_sequence():
     ("int4_tensor", 128, 128, "static .* symmetric"),
     ("q4_0", 128, 128, "unknown format 'q4_0'; allowed"),
     ("int4_token_rot", 96, 32, r"rotation=hadamard needs head_dim in \(64, 128, 256\)"),
-    ("int4_group32_rot_rot", 64, 32, "_rot is given twice"),
+    ("int4_group32_rot_rot", 64, 32, r"one rotation suffix \(_rot or _rotv\), once"),
+    ("kivi2_rot_rotv", 64, 128, r"one rotation suffix \(_rot or _rotv\), once"),
+    ("int4_token_rotv", 80, 32, r"rotation=hadamard_values needs head_dim in \(64, 128, 256\)"),
     ("int4_group32_lm", 64, 32, "_lm .* applies to nuq formats only"),
     ("nuq3_rot_lm", 64, 32, "the suffixes go _lm then _rot, once each"),
 ])
@@ -101,10 +103,14 @@ def test_bad_formats_say_what_is_allowed(name, D, B, match):
     ({"method": "int4_group32", "rotation": "hadamard"}, "int4_group32_rot"),
     ({"method": "int4_group32_rot", "rotation": "none"}, "int4_group32"),
     ({"method": "kivi", "rotation": "hadamard"}, "kivi2_rot"),
+    ({"method": "nuq2", "rotation": "hadamard_values"}, "nuq2_rotv"),
+    ({"method": "kivi2_rotv", "rotation": "hadamard"}, "kivi2_rot"),
+    ({"method": "nuq3_lm_rotv"}, "nuq3_lm_rotv"),
 ])
 def test_config_maps_to_formats(d, name):
     assert config_from_dict(d).fmt.name == name
-    assert config_from_dict(d).fmt.rotation == ("hadamard" if name.endswith("_rot") else "none")
+    rotation = {"_rot": "hadamard", "rotv": "hadamard_values"}.get(name[-4:], "none")
+    assert config_from_dict(d).fmt.rotation == rotation
 
 
 def test_lloyd_max_formats_need_no_calibration_file():
@@ -160,7 +166,7 @@ def test_rotation_suffix_keeps_the_rest_of_the_name():
     ({"method": "int", "k_scale": -1}, "kvq.k_scale=-1 must be a positive number"),
     ({"method": "int", "key_granularity": "row"}, "granularity='row' is not allowed"),
     ({"method": "int", "rotation": "random"},
-     "kvq.rotation='random' is not allowed; allowed: none, hadamard"),
+     "kvq.rotation='random' is not allowed; allowed: none, hadamard, hadamard_values"),
 ])
 def test_bad_config_names_key_value_and_allowed(d, match):
     with pytest.raises(FormatError, match=match):

@@ -462,7 +462,7 @@ def with_byte_values(c):
 
 def run_refs(c):
     """The references a kernel row may match: exact, and with the int8 query for int keys
-    (of a rotated format: the rotated query is what the kernel rounds); for nuq 4-bit values
+    (of a format rotating keys: the rotated query is what the kernel rounds); for nuq 4-bit values
     each also with the values' byte levels (byte_values)."""
     if byte_values(c["fmt"]) and "bytes" not in c:
         return _as_list(run_refs(dict(c, bytes=False))) + _as_list(
@@ -472,7 +472,8 @@ def run_refs(c):
         return ref
     if c["fmt"].rotation == "none":
         return [ref, run_ref_int8q(c)]
-    q, sk, sv = rotation.for_attention(c["query"], c.get("staging_k"), c.get("staging_v"))
+    q, sk, sv = rotation.for_attention(c["query"], c.get("staging_k"), c.get("staging_v"),
+                                       rotation.rotates_keys(c["fmt"].rotation))
     plain = dict(c, fmt=c["fmt"].with_rotation("none"), query=q, staging_k=sk, staging_v=sv)
     return [ref, rotation.unrotate(run_ref_int8q(plain))]
 
@@ -715,7 +716,9 @@ def test_sliding_window_argument_errors():
 # and decodes, a window, a codebook and outlier slots, on every SIMD path.
 ROT_CASES = [("int4_group32_rot", 64, torch.bfloat16), ("kivi2_rot", 64, torch.float32),
              ("int4_token_o1_rot", 128, torch.float32), ("int8_token_rot", 128, torch.bfloat16),
-             ("nuq3_rot", 256, torch.float32), ("bf16_rot", 256, torch.bfloat16)]
+             ("nuq3_rot", 256, torch.float32), ("bf16_rot", 256, torch.bfloat16),
+             ("nuq2_rotv", 64, torch.bfloat16), ("kivi2_rotv", 128, torch.float32),
+             ("int4_token_rotv", 256, torch.bfloat16)]
 
 
 @pytest.mark.parametrize("name,D,dtype", ROT_CASES, ids=[f"{n}-D{D}" for n, D, _ in ROT_CASES])
@@ -790,11 +793,32 @@ def test_rotation_preserves_attention():
     """An orthogonal rotation of q, k and v (output rotated back) leaves attention as it
     was: bf16_rot computes bf16's attention up to rounding."""
     outs = {}
-    for name in ("bf16", "bf16_rot"):
+    for name in ("bf16", "bf16_rot", "bf16_rotv"):
         c = build_case(name, 64, 32, gq=3, H=2, dtype=torch.float32, seed=3)
         outs[name] = run_mine(c)
-    assert (outs["bf16"] - outs["bf16_rot"]).abs().max().item() < 2e-2
-    assert not torch.equal(outs["bf16"], outs["bf16_rot"])  # the rotated path did run
+    for name in ("bf16_rot", "bf16_rotv"):
+        assert (outs["bf16"] - outs[name]).abs().max().item() < 2e-2
+        assert not torch.equal(outs["bf16"], outs[name])  # the rotated path did run
+
+
+def test_values_only_rotation_leaves_the_keys():
+    """_rotv stores the keys exactly as the unrotated format does and the values rotated
+    (the bytes of each side's region of the pages, written by the kernel)."""
+    g = torch.Generator().manual_seed(5)
+    N, H, D, B = 64, 2, 64, 32
+    k, v = torch.randn(N, H, D, generator=g), torch.randn(N, H, D, generator=g)
+    caches = {}
+    for name in ("int4_token", "int4_token_rotv", "int4_token_rot"):
+        fmt = parse_format(name)
+        caches[name] = reference.new_cache(N // B, H, fmt.layout(D, B))
+        ops.write_cache(k, v, caches[name], torch.arange(N), fmt)
+    kb = parse_format("int4_token").layout(D, B).k["end"]  # a plane's key region (keys first)
+    plain, rotv, rot = (caches[n].flatten(2) for n in ("int4_token", "int4_token_rotv",
+                                                      "int4_token_rot"))
+    assert torch.equal(plain[..., :kb], rotv[..., :kb])
+    assert not torch.equal(plain[..., :kb], rot[..., :kb])
+    assert not torch.equal(plain[..., kb:], rotv[..., kb:])
+    assert torch.equal(rot[..., kb:], rotv[..., kb:])
 
 
 def test_rotation_spreads_an_outlier_channel():

@@ -51,7 +51,7 @@ def cmd_formats(args) -> int:
         return 0
     print(f"head_dim={args.head_dim} block_size={args.block_size}; bytes per token per kv "
           f"head, scales/zero-points/padding included; residual window is per sequence")
-    cols = [("name", 22), ("key", 16), ("value", 16), ("residual_tokens", 8), ("rotation", 9),
+    cols = [("name", 22), ("key", 16), ("value", 16), ("residual_tokens", 8), ("rotation", 15),
             ("codebook", 10), ("bits_per_value", 8), ("k_bytes_per_token", 8), ("v_bytes_per_token", 8),
             ("bytes_per_token", 8), ("ratio_vs_bf16", 8)]
     heads = {"residual_tokens": "resid", "bits_per_value": "bits/val", "k_bytes_per_token": "K B/tok",

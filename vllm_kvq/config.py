@@ -12,9 +12,10 @@ Keys (all optional but `method`):
   k_scale, v_scale   static scales (float) for tensor/head granularity
   outlier_fraction   p in (0, 0.1]: ceil(p * head_dim) values of every token (per kv head,
                      keys and values) kept to fp16 precision in sparse outlier slots (int, nuq)
-  rotation           "none" | "hadamard": rotate keys and values of each head by a seeded
-                     randomized Hadamard transform before quantizing (vllm_kvq.rotation;
-                     the same as the format name's _rot suffix)
+  rotation           "none" | "hadamard" | "hadamard_values": rotate keys and values (or
+                     values only) of each head by a seeded randomized Hadamard transform
+                     before quantizing (vllm_kvq.rotation; the same as the format name's
+                     _rot / _rotv suffix)
   calibration        path of a calibration file (`vllm-kvq calibrate`): the nuq codebooks
                      (not read by _lm formats, whose codebooks need no data).
                      nuq formats need one; without this key the model's shipped default

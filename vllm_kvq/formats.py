@@ -25,7 +25,8 @@ Names (`parse_format`):
             nuq: the N largest |x| of a token are kept to fp16 precision and left out of the
             dense scale), _r{R} (R recent tokens in full precision), _rot (keys and values
             rotated by a seeded randomized Hadamard transform before quantizing, see
-            vllm_kvq.rotation; head_dim 64/128/256), in that order; nuq formats also take
+            vllm_kvq.rotation; head_dim 64/128/256) or _rotv (values only), in that
+            order; nuq formats also take
             _lm before _rot (calibration-free Lloyd-Max codebooks for Gaussian values,
             vllm_kvq.gaussian_codebook: meant with _rot, e.g. nuq3_lm_rot);
             kivi also takes _k{G} (key token group) and _g{g} (value channel group)
@@ -228,6 +229,7 @@ class KVFormat:
         """The name's trailing flags (_lm, _rot) that with_* keep at the end."""
         suffix = ""
         for flag, on in (("_rot", self.rotation == "hadamard"),
+                         ("_rotv", self.rotation == "hadamard_values"),
                          ("_lm", self.codebook == "gaussian")):
             if on and self.name[:len(self.name) - len(suffix)].endswith(flag):
                 suffix = flag + suffix
@@ -247,10 +249,11 @@ class KVFormat:
                                    value=c(self.value))
 
     def with_rotation(self, rotation: str) -> "KVFormat":
-        """The same format with keys and values rotated (or not) before quantizing."""
+        """The same format with keys and values (or values only, or neither) rotated before
+        quantizing."""
         base = self.name[:len(self.name) - len(self._name_flags)]
         flags = ("_lm" if self.codebook == "gaussian" else "") + \
-            ("_rot" if rotation == "hadamard" else "")
+            {"hadamard": "_rot", "hadamard_values": "_rotv"}.get(rotation, "")
         return dataclasses.replace(self, name=base + flags, rotation=rotation)
 
     def check(self, head_dim: int, block_size: int) -> None:
@@ -382,11 +385,12 @@ def parse_format(name: str) -> KVFormat:
     """A format from its name; raises FormatError naming what is allowed."""
     if not isinstance(name, str):
         raise FormatError(f"format name must be a string, got {name!r}")
-    if name.endswith("_rot"):
-        base = parse_format(name[:-len("_rot")])
-        if base.rotation != "none":
-            raise FormatError(f"format {name!r}: _rot is given twice")
-        return dataclasses.replace(base, name=name, rotation="hadamard")
+    for suffix, rot in (("_rot", "hadamard"), ("_rotv", "hadamard_values")):
+        if name.endswith(suffix):
+            base = parse_format(name[:-len(suffix)])
+            if base.rotation != "none":
+                raise FormatError(f"format {name!r}: one rotation suffix (_rot or _rotv), once")
+            return dataclasses.replace(base, name=name, rotation=rot)
     if name.endswith("_lm"):
         base = parse_format(name[:-len("_lm")])
         if base.codebook != "calibrated" or base.rotation != "none":
@@ -428,6 +432,7 @@ def parse_format(name: str) -> KVFormat:
         f"fp8_e5m2[...], int{{8,4,3,2}}_{{tensor_sym|head_sym|token|group<g>|channel<G>}}"
         f"[_sym][_o<N>][_r<R>], nuq{{2,3,4}}[_{{token|group<g>|channel<G>}}][_o<N>][_r<R>], "
         f"kivi{{2,4}}[_k<G>][_g<g>][_r<R>], each optionally ending in _rot (Hadamard "
-        f"rotation; nuq: _lm_rot for calibration-free codebooks) — e.g. "
+        f"rotation of keys and values) or _rotv (of values only; nuq: _lm_rot for "
+        f"calibration-free codebooks) — e.g. "
         f"{', '.join(EXAMPLE_NAMES)}, nuq3, int4_token_o1, nuq3_group32_o1, int4_group32_rot, "
         f"nuq3_lm_rot")

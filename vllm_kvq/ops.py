@@ -16,7 +16,8 @@ nuq codecs need their layer's codebooks: k_levels / v_levels, float32 [2^bits] a
 
 Rotated formats (fmt.rotation = "hadamard", vllm_kvq.rotation) are rotated here, around
 the kernels: writes quantize K R and V R (rotated in float32), attention rotates the query
-and the staging rows and rotates the output back. The kernels themselves never see it. On
+and the staging rows and rotates the output back ("hadamard_values": V R only, the value
+staging rows, the output back). The kernels themselves never see it. On
 the CPU each rotation is one pass of torch.ops.vllm_kvq.hadamard (bit-identical to
 rotation.rotate / unrotate); on CUDA one fp32 product with rotation.matrix.
 """
@@ -207,7 +208,8 @@ def write_cache(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
             if c.granularity == "channel":
                 _check_channel_groups(slot_mapping, c, side)
     if fmt.rotation != "none":
-        key, value = rotate(key, torch.float32), rotate(value, torch.float32)
+        key, value = rotation.for_cache(key, value, rotation.rotates_keys(fmt.rotation),
+                                        rot=rotate)
     _ops().write_cache(key, value, cache, slot_mapping, fmt.key.as_ints(),
                        fmt.value.as_ints(), ks, vs, kl, vl)
 
@@ -302,9 +304,12 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
     rotated = fmt.rotation != "none"
     dst = out
     if rotated:
-        query = rotate(query)
+        keys = rotation.rotates_keys(fmt.rotation)
         if R > 1:
-            staging_k, staging_v = rotate(staging_k), rotate(staging_v)
+            query, staging_k, staging_v = rotation.for_attention(query, staging_k, staging_v,
+                                                                 keys, rot=rotate)
+        else:
+            query = rotate(query) if keys else query
         dst = torch.zeros_like(query)
     _ops().paged_attention(dst, query, cache, block_table, seq_lens, query_start_loc,
                            staging_k, staging_v, staging_start_loc, staging_pos0, R,
@@ -378,12 +383,13 @@ class LayerOps:
         # rotated formats: K/V rotated before quantizing, the query and staging rows rotated
         # and the output rotated back around the kernels (vllm_kvq.rotation)
         self.rotated = fmt.rotation != "none"
+        self.rotate_keys = rotation.rotates_keys(fmt.rotation)
 
     def write(self, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
               slot_mapping: torch.Tensor) -> None:
         """Quantize key/value [N, H, D] into their slots (N = len(slot_mapping))."""
         if self.rotated:
-            key, value = rotate(key, torch.float32), rotate(value, torch.float32)
+            key, value = rotation.for_cache(key, value, self.rotate_keys, rot=rotate)
         self._ops.write_cache(key, value, cache, slot_mapping, self.k_codec, self.v_codec,
                               self.k_scale, self.v_scale, self.k_levels, self.v_levels)
 
@@ -403,11 +409,10 @@ class LayerOps:
             return self._attend(query, cache, block_table, seq_lens, query_start_loc,
                                 softmax_scale, out, staging_k, staging_v, staging_start_loc,
                                 staging_pos0, split)
-        rotated = rotate(query)
-        if staging_k is not None:
-            staging_k, staging_v = rotate(staging_k), rotate(staging_v)
-        o = self._attend(rotated, cache, block_table, seq_lens, query_start_loc, softmax_scale,
-                         torch.empty_like(rotated), staging_k, staging_v, staging_start_loc,
+        query, staging_k, staging_v = rotation.for_attention(query, staging_k, staging_v,
+                                                             self.rotate_keys, rot=rotate)
+        o = self._attend(query, cache, block_table, seq_lens, query_start_loc, softmax_scale,
+                         torch.empty_like(query), staging_k, staging_v, staging_start_loc,
                          staging_pos0, split)
         return rotate(o, inverse=True, out=out)
 

@@ -399,7 +399,7 @@ def write_cache(key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
     """
     N, H = key.shape[:2]
     if fmt.rotation != "none":
-        key, value = rotation.for_cache(key, value)
+        key, value = rotation.for_cache(key, value, rotation.rotates_keys(fmt.rotation))
     B = layout.block_size
     planes = _planes(cache)
     slots = slot_mapping.tolist()
@@ -468,7 +468,8 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
     rot = fmt.rotation != "none"
     dtype = query.dtype
     if rot:
-        query, staging_k, staging_v = rotation.for_attention(query, staging_k, staging_v)
+        query, staging_k, staging_v = rotation.for_attention(
+            query, staging_k, staging_v, rotation.rotates_keys(fmt.rotation))
     H = cache.shape[1]
     B = layout.block_size
     R = fmt.residual_chunk

@@ -14,6 +14,9 @@ Computed as a fast Walsh-Hadamard transform (D log2 D adds, not a D x D product)
 fwht's butterfly order is the definition the C++ op (torch.ops.vllm_kvq.hadamard,
 csrc/cpu/hadamard_body.h) follows, so both round every value alike (bit-identical).
 
+A format may rotate its values only ("hadamard_values", name suffix _rotv): then keys,
+query and key staging rows are not rotated, the output still is.
+
 Applied around the kernels by vllm_kvq.ops (write rotates K/V before quantizing; attend
 rotates the query and the full-precision staging rows and un-rotates the output), and the
 same way in vllm_kvq.reference: every attention kernel (CPU paths, CUDA) sees ordinary
@@ -23,7 +26,11 @@ from __future__ import annotations
 
 import torch
 
-ROTATIONS = ("none", "hadamard")
+# "hadamard": keys and values; "hadamard_values": values only, for formats whose keys are
+# grouped per channel (KIVI, the nuq defaults): the rotation spreads the channel outliers
+# those groups are built around over every channel (measured: nuq2 keys rotated KL +10%,
+# values rotated -4%; reports/rotation/values-only).
+ROTATIONS = ("none", "hadamard", "hadamard_values")
 HEAD_SIZES = (64, 128, 256)  # powers of two: the Sylvester construction
 SEED = 0x4B5651
 
@@ -90,14 +97,21 @@ def unrotate(y: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     return (fwht(y.to(torch.float32)) * sc).to(dtype or y.dtype)
 
 
-def for_cache(key: torch.Tensor, value: torch.Tensor):
-    """Keys and values as a rotated format stores them: x R, float32 (quantized next)."""
-    return rotate(key, torch.float32), rotate(value, torch.float32)
+def rotates_keys(rotation: str) -> bool:
+    return rotation == "hadamard"
 
 
-def for_attention(query: torch.Tensor, staging_k, staging_v):
+def for_cache(key: torch.Tensor, value: torch.Tensor, keys: bool = True, rot=rotate):
+    """Keys and values as a rotated format stores them: x R in float32 (quantized next);
+    the keys as given when `keys` is False (a values-only rotation). rot: the rotation's
+    implementation (vllm_kvq.ops passes its C++ op)."""
+    return (rot(key, torch.float32) if keys else key), rot(value, torch.float32)
+
+
+def for_attention(query: torch.Tensor, staging_k, staging_v, keys: bool = True, rot=rotate):
     """The query and the full-precision staging rows (None: no staging) rotated in their
-    dtypes, as the kernels of a rotated format read them; the output is unrotate()d."""
+    dtypes, as the kernels of a rotated format read them (a values-only rotation: the
+    value rows only); the output is unrotate()d."""
     if staging_k is not None:
-        staging_k, staging_v = rotate(staging_k), rotate(staging_v)
-    return rotate(query), staging_k, staging_v
+        staging_k, staging_v = (rot(staging_k) if keys else staging_k), rot(staging_v)
+    return (rot(query) if keys else query), staging_k, staging_v

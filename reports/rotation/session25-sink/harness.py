@@ -3,7 +3,8 @@ residual window and an optional attention sink emulated (session 25's measuremen
 
 transformers, SmolLM2 in float32, held-out windows (vllm_kvq.tools.corpus), every layer's
 K and V through vllm_kvq.reference.fake_quantize (the kernels' rules; nuq: the shipped
-calibration). Query p sees position j exactly when j >= floor((p+1)/R)*R (the residual
+calibration, or Lloyd-Max levels for _lm; rotated formats (_rot, _rotv) quantize x R and
+attend with its dequantization rotated back, which equals rotating the query and the output). Query p sees position j exactly when j >= floor((p+1)/R)*R (the residual
 window, as the kernels read staging) or j < sink (the first tokens kept in full precision,
 or in sink_dtype); every other key and value is the quantized one. Per-channel groups are
 aligned to position 0, as in the pages.
@@ -24,6 +25,7 @@ import torch
 from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
 
 from vllm_kvq import reference as ref
+from vllm_kvq import rotation
 from vllm_kvq.codebook_file import SHIPPED_DIR, load_calibration
 from vllm_kvq.formats import Codec, parse_format
 from vllm_kvq.model_prep import default_model_dir
@@ -56,8 +58,17 @@ class Emulation:
             x = x.clone()
             x[:, :, :self.sink] = x[:, :, self.sink:self.sink + 1]
         lv = self.levels(layer, side, codec)
-        return torch.stack([ref.fake_quantize(x[0, h], codec, levels=lv)
-                            for h in range(x.shape[1])])[None]
+        if self.fmt.codebook == "gaussian" and codec.encoding == "nuq":
+            from vllm_kvq.gaussian_codebook import codec_levels
+            lv = codec_levels(codec, x.shape[-1])
+        # rotated formats: quantize x R, attend with (x R)^ R^T (as rotating q and the output)
+        rot = self.fmt.rotation != "none" and (side == "v" or
+                                               rotation.rotates_keys(self.fmt.rotation))
+        if rot:
+            x = rotation.rotate(x.float())
+        y = torch.stack([ref.fake_quantize(x[0, h], codec, levels=lv)
+                         for h in range(x.shape[1])])[None]
+        return rotation.unrotate(y) if rot else y
 
     def attention(self, module, query, key, value, attention_mask, scaling=None, **kw):
         T = query.shape[2]
