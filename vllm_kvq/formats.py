@@ -27,7 +27,7 @@ Names (`parse_format`):
             rotated by a seeded randomized Hadamard transform before quantizing, see
             vllm_kvq.rotation; head_dim 64/128/256) or _rotv (values only), in that
             order; nuq formats also take
-            _lm before _rot (calibration-free Lloyd-Max codebooks for Gaussian values,
+            _lm before _rot/_rotv (calibration-free Lloyd-Max codebooks for Gaussian values,
             vllm_kvq.gaussian_codebook: meant with _rot, e.g. nuq3_lm_rot);
             kivi also takes _k{G} (key token group) and _g{g} (value channel group)
 """
@@ -226,7 +226,7 @@ class KVFormat:
 
     @property
     def _name_flags(self) -> str:
-        """The name's trailing flags (_lm, _rot) that with_* keep at the end."""
+        """The name's trailing flags (_lm, _rot / _rotv) that with_* keep at the end."""
         suffix = ""
         for flag, on in (("_rot", self.rotation == "hadamard"),
                          ("_rotv", self.rotation == "hadamard_values"),
@@ -432,7 +432,7 @@ def parse_format(name: str) -> KVFormat:
         f"fp8_e5m2[...], int{{8,4,3,2}}_{{tensor_sym|head_sym|token|group<g>|channel<G>}}"
         f"[_sym][_o<N>][_r<R>], nuq{{2,3,4}}[_{{token|group<g>|channel<G>}}][_o<N>][_r<R>], "
         f"kivi{{2,4}}[_k<G>][_g<g>][_r<R>], each optionally ending in _rot (Hadamard "
-        f"rotation of keys and values) or _rotv (of values only; nuq: _lm_rot for "
-        f"calibration-free codebooks) — e.g. "
+        f"rotation of keys and values) or _rotv (of values only); nuq: _lm_rot for "
+        f"calibration-free codebooks — e.g. "
         f"{', '.join(EXAMPLE_NAMES)}, nuq3, int4_token_o1, nuq3_group32_o1, int4_group32_rot, "
         f"nuq3_lm_rot")
