@@ -18,8 +18,7 @@ from vllm_kvq.reference import uniform_levels
 from vllm_kvq.tools.paged_attention_case import attention_case
 
 CODECS = ["bf16", "fp8_e4m3", "fp8_e4m3_token", "int8_token", "int4_group32", "int2_group32",
-          "int8_head_sym", "kivi2", "kivi4", "nuq3", "int4_token_o1", "int4_group32_rot",
-          "kivi2_rotv"]
+          "int8_head_sym", "kivi2", "kivi4", "nuq3", "int4_token_o1", "kivi2_rotv"]
 # (max abs error vs the reference) fp32: the flash kernel's fp32 rounding; bf16: the bf16
 # output itself (|out| < 4, so one bf16 ulp is <= 2^-6) plus K/V rounded to bf16.
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
