@@ -115,9 +115,9 @@ def main(argv: list[str]):
             if rounds == 2:
                 result["second"], _ = greedy_with_margins(llm, prompts, greedy_tokens)
         elif scenario == "preempt":
-            # `seqs` prompts (8: 700-763 tokens; 16: the next 8 are 424-624) + new_tokens
-            # generated (7-8 pages each for 160), all at once (distinct text: no prefix-cache
-            # sharing between them); spans: each request's first and last token times
+            # `seqs` prompts (the first 8: 700-763 tokens; 16: the next 8 are 424-624) +
+            # new_tokens generated, all at once (distinct text: no prefix-cache sharing
+            # between them); spans: each request's first and last token times
             prompts = [windows[i % 4][200 * (i // 4):200 * (i // 4) + 700 + 9 * i]
                        for i in range(seqs)]
             result["spans"] = []

@@ -560,8 +560,9 @@ def assert_paths_match(c, ref, dtype, what="", scale=1.0):
         with env_var("KVQ_EXACT_PV", "1"):
             exact = run_mine(c, path)
         assert_attn_close(exact, ref, dtype, scale, what=f"{what} {path} KVQ_EXACT_PV=1")
-        rel = (out.float() - exact.float()).norm(dim=-1) / exact.float().norm(dim=-1).clamp_min(1e-6)
-        assert rel.max().item() <= 2 ** -7, f"{what} {path}: bf16 P.V weights, rel err {rel.max():.3g}"
+        diff, norm = (out.float() - exact.float()).norm(dim=-1), exact.float().norm(dim=-1)
+        rel = (diff / norm.clamp_min(1e-6)).max().item()
+        assert rel <= 2 ** -7, f"{what} {path}: bf16 P.V weights, rel err {rel:.3g}"
 
 
 def _rows_close(mine, ref, dtype, scale=1.0):
