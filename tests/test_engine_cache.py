@@ -317,7 +317,8 @@ def test_decode_approximations_cost_at_most_five_percent_of_the_format_error(met
     levels as 7-bit bytes (kNuqKeyLevelMax, since 96dcbd6) on an AVX2-only machine: nuq4
     0.001882 vs 0.001858 (x1.013), int4_group32 0.0269 vs 0.0257 (x1.044); with nuq4's value
     levels as bytes too (AVX2's P.V, K_B4): nuq4 0.001867 vs 0.001858 (x1.005). With
-    8-token chunks (DECODE_STEPS; Zen 4, AVX-512): int4_group32 0.0228 vs exact 0.0245.
+    8-token chunks (DECODE_STEPS; Zen 4): int4_group32 0.0228 vs exact 0.0245 (AVX-512
+    path), 0.0228 vs 0.0259 (KVQ_SIMD=avx2).
     The two runs are close to independent samples of the format's noise: each step's
     rounding differences reach the next layers' quantized K/V, so fast vs exact differ by KL
     0.021 (int4_group32, AVX2), ~0.8x their distance to bf16, and they flip different
