@@ -55,32 +55,23 @@ def _available_paths() -> list[str]:
 
 
 @contextmanager
-def env_var(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
+def env_var(name: str, value: str | None):
+    """name=value (None: unset) inside the block, as it was after it."""
+    def put(v):
+        if v is None:
             os.environ.pop(name, None)
         else:
-            os.environ[name] = old
-
-
-@contextmanager
-def simd(path: str | None):
-    old = os.environ.get("KVQ_SIMD")
-    if path is None:
-        os.environ.pop("KVQ_SIMD", None)
-    else:
-        os.environ["KVQ_SIMD"] = path
+            os.environ[name] = v
+    old = os.environ.get(name)
+    put(value)
     try:
         yield
     finally:
-        if old is None:
-            os.environ.pop("KVQ_SIMD", None)
-        else:
-            os.environ["KVQ_SIMD"] = old
+        put(old)
+
+
+def simd(path: str | None):
+    return env_var("KVQ_SIMD", path)
 
 
 PATHS = _available_paths()
@@ -1097,16 +1088,9 @@ def test_attention_int8_query(name, D, gq):
         rel = (out - exact).norm(dim=-1) / exact.norm(dim=-1)
         bound = 3.1e-2 if fmt.key.granularity == "channel" else 1.4e-2
         assert rel.max().item() <= 2 * bound, f"{name} {path}: rel err {rel.max():.3g}"
-        old = os.environ.get("KVQ_EXACT_QK")
-        os.environ["KVQ_EXACT_QK"] = "1"
-        try:
+        with env_var("KVQ_EXACT_QK", "1"):
             exact_qk = run_ref(with_byte_values(c))[:n] if pv_byte_runs(path, fmt) else exact
             assert_attn_close(run_mine(c, path), exact_qk, torch.float32, what=f"{name} {path}")
-        finally:
-            if old is None:
-                os.environ.pop("KVQ_EXACT_QK")
-            else:
-                os.environ["KVQ_EXACT_QK"] = old
 
 
 @pytest.mark.skipif("avx2" not in PATHS, reason="this CPU has no avx2")
