@@ -1734,28 +1734,36 @@ static inline int run_end(const float* const* sv, int t, int nt) {
   return e;
 }
 
-// The per-channel fold of MR query rows q (stride D) with one scale row: q' = q * s (in
-// work, MR * D floats), rounded to int8 (q8, row scales qs), and zsum = q . z, the rows
-// interleaved so their max chains overlap. A non-finite q' (the query is finite, so a
-// non-finite scale) makes zsum NaN through q' * 0, and with it every logit of the run, as
-// the exact path would (vmax drops NaN from max|q'|).
+// The per-channel fold of MR query rows q (stride D) with one scale row: q' = q * s,
+// rounded to int8 (q8, row scales qs), and zsum = q . z, the rows interleaved so their max
+// chains overlap; q' is computed again for the rounding rather than stored and reloaded.
+// A non-finite q' (the query is finite, so a non-finite scale) makes zsum NaN through
+// q' * 0, and with it every logit of the run, as the exact path would (vmax drops NaN from
+// max|q'|).
 template <int MR>
 static inline void fold_rows(const float* q, int D, const float* sc, const float* zc,
-                             float* work, float* qs, float* zsum, int8_t* q8) {
+                             float* qs, float* zsum, int8_t* q8) {
   VF zs[MR], mx[MR];
   for (int r = 0; r < MR; ++r) zs[r] = mx[r] = vzero();
   for (int d = 0; d < D; d += W) {
     const VF s = vload(sc + d), z = vload(zc + d);
     for (int r = 0; r < MR; ++r) {
       const VF qv = vload(q + (int64_t)r * D + d), x = vmul(qv, s);
-      vstore(work + (int64_t)r * D + d, x);
       mx[r] = vmax(mx[r], vmax(x, vsub(vzero(), x)));
       zs[r] = vfma(qv, z, vfma(x, vzero(), zs[r]));
     }
   }
+  VF inv[MR];
   for (int r = 0; r < MR; ++r) {
-    qs[r] = quantize_q8_amax(work + (int64_t)r * D, D, vhmax(mx[r]), q8 + (int64_t)r * D);
+    const float amax = vhmax(mx[r]);
+    inv[r] = vset(q8_inv(amax));
+    qs[r] = amax / 127.0f;  // quantize_q8_amax's
     zsum[r] = vhsum(zs[r]);
+  }
+  for (int d = 0; d < D; d += W) {
+    const VF s = vload(sc + d);
+    for (int r = 0; r < MR; ++r)
+      vq8_store(vmul(vload(q + (int64_t)r * D + d), s), inv[r], q8 + (int64_t)r * D + d);
   }
 }
 
@@ -1794,13 +1802,16 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   float* qsc = (float*)(q8 + (size_t)Mp * D);       // Mp row scales
   float* qsum = qsc + Mp;                           // Mp * ng: qs * group sums of q8
   float* zt = qsum + (size_t)Mp * (D / 4);          // TT * ng: the tile's zeros, transposed
-  float* zsum = zt + (size_t)TT * (D / 4);          // Mp: q . z (per-channel keys)
-  float* skT = zsum + Mp;                           // TT * ng: the tile's scales, transposed
+  float* skT = zt + (size_t)TT * (D / 4);           // TT * ng: the tile's scales, transposed
   // P.V with folded value scales
   float* PS = skT + (size_t)TT * (D / 4);          // Mp * (D/16) * SL weights P * s
   float* vsT = PS + (size_t)Mp * (D / 16) * SL;     // (D/16) * TT value scales, transposed
   float* vzT = vsT + (size_t)(D / 16) * TT;         // (D/16) * TT value zeros, transposed
   float* zp = vzT + (size_t)(D / 16) * TT;          // Mp * (D/16): sum_t P z
+  // per-channel keys on the integer Q.K: each scale row's fold of the tile (fold_rows)
+  float* run_qs = zp + (size_t)Mp * (D / 16);       // kTileChanRows * Mp row scales
+  float* run_zs = run_qs + (size_t)kTileChanRows * Mp;  // kTileChanRows * Mp: q . z
+  int8_t* run_q8 = (int8_t*)(run_zs + (size_t)kTileChanRows * Mp);  // kTileChanRows * Mp * D
 
   for (int i = 0; i < T.nq; ++i) {
     const int p = T.pos0 + i;
@@ -1977,26 +1988,37 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
       hi[m] = iclamp(Fq[m / gq] - jt0, 0, nt);
     }
     if (iqk && ichn) {
-      // per-channel scales: fold each scale row into the query, one run of tokens per row
-      for (int t = 0; t < nt;) {
+      // Per-channel scales: each scale row folds into the query (fold_rows) for its run of
+      // tokens. Every fold of the tile first, then the runs' Q.K: a fold's reductions,
+      // division and rounding are one long dependency chain its run's Q.K waits on, and
+      // folded one run at a time the chains were serialized with the dot products.
+      int rbeg[kTileChanRows + 1], nrun = 0;
+      for (int t = 0; t < nt; ++nrun) {
         const int e = run_end(ks.sv, t, nt);
         const float* sc = ks.sv[t];
         const float* zc = ks.zv[t];
+        rbeg[nrun] = t;
         for (int m = 0; m < MBq; m += 4)  // (with_row_block: mr is 1..4 here)
           with_row_block(imin(4, MBq - m), [&](auto r) {
-            fold_rows<decltype(r)::value>(Qk + (int64_t)m * D, D, sc, zc, KV, qsc + m,
-                                          zsum + m, q8 + (int64_t)m * D);
+            const int64_t x = (int64_t)nrun * MBq + m;
+            fold_rows<decltype(r)::value>(Qk + (int64_t)m * D, D, sc, zc, run_qs + x,
+                                          run_zs + x, run_q8 + x * D);
           });
-        qk_int_kind(kbits, false, MBq, q8, D, ks, t, e, 0, nullptr, S, klut);
-        for (int m = 0; m < M; ++m) {  // locals: through qsc/zsum (may alias S) it was scalar
-          const float a = qsc[m], b = zsum[m];
+        t = e;
+      }
+      rbeg[nrun] = nt;
+      for (int r = 0; r < nrun; ++r) {
+        const int t = rbeg[r], e = rbeg[r + 1];
+        qk_int_kind(kbits, false, MBq, run_q8 + (int64_t)r * MBq * D, D, ks, t, e, 0, nullptr,
+                    S, klut);
+        for (int m = 0; m < M; ++m) {  // locals: through run_qs/zs (may alias S) it was scalar
+          const float a = run_qs[r * MBq + m], b = run_zs[r * MBq + m];
           const VF va = vset(a), vb = vset(b);
           float* sm = S + m * SL;
           int u = t;
           for (; u + W <= e; u += W) vstore(sm + u, vfma(vload(sm + u), va, vb));
           for (; u < e; ++u) sm[u] = sm[u] * a + b;
         }
-        t = e;
       }
     } else if (iqk) {
       if (igrp) transpose_tile(ks.sv[0], nt, ng, skT);
