@@ -578,6 +578,12 @@ static inline KVQ_QK3_TARGET VI ci_tab3(const uint8_t* lut) {
   for (int i = 0; i < 64; ++i) t[i] = lut ? lut[i & 7] : (uint8_t)(i & 7);
   return _mm512_load_si512((const void*)t);
 }
+// 64 bytes dst[p] = src[idx[p]] (idx < 64; dst may be src): the per-channel fold's int8
+// query from channel order into the code order of 4/2-bit keys (vpermb).
+static inline KVQ_QK3_TARGET void q8_perm64(const int8_t* src, const uint8_t* idx, int8_t* dst) {
+  _mm512_storeu_si512((void*)dst, _mm512_permutexvar_epi8(_mm512_loadu_si512((const void*)idx),
+                                                          _mm512_loadu_si512((const void*)src)));
+}
 // A unit's 8 codes as bytes through the table: x[0] byte k of each lane = tab[code k],
 // x[1] = tab[code 4 + k]. vpmultishiftqb takes the 8 bits at 3k of each token's dword (two
 // tokens per qword: offsets 32 + 3k for the upper one), vpermb reads their low 6 bits, so

@@ -10,8 +10,8 @@
 //   for the integer Q.K: VI (W int32 lanes), ci_zero, ci_add, ci_dot<SMALL>, ci_tof,
 //   CiWide / ci_wide / ci_dot_wide / kCiWideBias (8-bit codes), ci_bcast4, ci_field<SH>,
 //   ci_tr8 (W rows' 4-byte words transposed), vq8_store;
-//   KVQ_HAS_QK3 (1: also ci_units3, ci_tab3, ci_fields3 and the KVQ_QK3_TARGET attribute,
-//   for qk_int3: 3-bit codes read as stored);
+//   KVQ_HAS_QK3 (1: also ci_units3, ci_tab3, ci_fields3, q8_perm64 and the KVQ_QK3_TARGET
+//   attribute, for qk_int3: 3-bit codes read as stored, and fold_perm);
 //   for the outlier slots: VM, ci_* loads, gathers and masks, vtab, vtr4_store / vtr4_load
 //   (4 rows <-> W quads), vadd4;
 //   KVQ_HAS_BF16DP (1: vdp_bf16, ci_loadu, KVQ_BF16_TARGET, for qk_bf16) and KVQ_HAS_PV_BF16
@@ -903,6 +903,16 @@ static inline int int_qk_order(int bits) { return kPermInt + (bits == 3 ? 8 : bi
 // dots save (Zen 4, 9/3/64 4 x 4k, one thread: 0.74 ms vs 0.68 on the fp32 path; AVX2 path
 // 1.40 vs 1.08), while int3's fp32 path unpacks to bytes first and the repack wins (1.85 vs
 // 3.06 ms).
+#if KVQ_HAS_QK3
+// Per-channel keys of 4/2-bit codes where the path permutes bytes (qk3; CW = 64): the query
+// folds in channel order and each folded int8 row is permuted into the code order after
+// (idx: ichan of one 64-channel chunk), one byte permute per 64 channels instead of the
+// permuted fp32 copy (permute_row) of each scale row and zero row.
+static KVQ_QK3_TARGET void fold_perm(int8_t* q8, int rows, int D, const uint8_t* idx) {
+  for (int64_t x = 0; x < (int64_t)rows * D; x += 64) q8_perm64(q8 + x, idx, q8 + x);
+}
+#endif
+
 static inline bool int_qk_ok(const kvq::Codec& c, int D, bool qk3) {
   if (c.encoding != kvq::ENC_INT && c.encoding != kvq::ENC_NUQ) return false;
   if (c.bits != 8 && c.bits != 4 && c.bits != 3 && c.bits != 2) return false;
@@ -1898,13 +1908,18 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   const int kord = int_qk_order(kbits);  // the int8 query's code order
   const int ng = igrp ? D / P.kc.group : 1;
   const bool kperm = fused && !iqk && can_perm(P.kc, D);
-  const int kpk = kperm ? (P.kc.bits == 4 ? K_U4 : K_U2) : (ichn ? kord : -1);
+  // per-channel keys folded in channel order, then the folded bytes permuted (fold_perm)
+  const bool kfperm = KVQ_HAS_QK3 && ichn && P.qk3 && CW == 64 && (kbits == 4 || kbits == 2);
+  [[maybe_unused]] uint8_t fidx[64];
+  if (kfperm)
+    for (int p = 0; p < 64; ++p) fidx[p] = (uint8_t)ichan(kbits, p);
+  const int kpk = kperm ? (P.kc.bits == 4 ? K_U4 : K_U2) : (ichn && !kfperm ? kord : -1);
   if (iqk) {
     // Q in code order (the kernels read MBq rows); per-token / per-group / static keys: the
     // int8 rows, their scales, qs * (each group's sum of q8), and Q itself rounded (the
     // staging keys read the rounded query too). Groups are >= W channels: whole vectors.
     for (int m = 0; m < MBq; ++m)
-      permute_row(Q + (int64_t)m * D, D, kord, Qk + (int64_t)m * D);
+      if (!kfperm) permute_row(Q + (int64_t)m * D, D, kord, Qk + (int64_t)m * D);
     if (!ichn) {
       const int gv = igrp ? P.kc.group / W : D / W;  // vectors per group
       for (int m = 0; m < MBq; ++m) {
@@ -2001,9 +2016,12 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
         for (int m = 0; m < MBq; m += 4)  // (with_row_block: mr is 1..4 here)
           with_row_block(imin(4, MBq - m), [&](auto r) {
             const int64_t x = (int64_t)nrun * MBq + m;
-            fold_rows<decltype(r)::value>(Qk + (int64_t)m * D, D, sc, zc, run_qs + x,
-                                          run_zs + x, run_q8 + x * D);
+            fold_rows<decltype(r)::value>((kfperm ? Q : Qk) + (int64_t)m * D, D, sc, zc,
+                                          run_qs + x, run_zs + x, run_q8 + x * D);
           });
+#if KVQ_HAS_QK3
+        if (kfperm) fold_perm(run_q8 + (int64_t)nrun * MBq * D, MBq, D, fidx);
+#endif
         t = e;
       }
       rbeg[nrun] = nt;

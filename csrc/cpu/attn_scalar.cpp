@@ -338,6 +338,11 @@ static inline VI ci_tab3(const uint8_t* lut) {
   for (int i = 0; i < 4 * W; ++i) ((uint8_t*)r.i)[i] = lut ? lut[i & 7] : (uint8_t)(i & 7);
   return r;
 }
+static inline void q8_perm64(const int8_t* src, const uint8_t* idx, int8_t* dst) {
+  int8_t t[64];
+  memcpy(t, src, 64);
+  for (int p = 0; p < 64; ++p) dst[p] = t[idx[p]];
+}
 static inline void ci_fields3(VI u, VI tab, VI* x) {
   const uint8_t* t = (const uint8_t*)tab.i;
   for (int l = 0; l < W; ++l)
