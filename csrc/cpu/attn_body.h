@@ -1918,8 +1918,8 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
     // Q in code order (the kernels read MBq rows); per-token / per-group / static keys: the
     // int8 rows, their scales, qs * (each group's sum of q8), and Q itself rounded (the
     // staging keys read the rounded query too). Groups are >= W channels: whole vectors.
-    for (int m = 0; m < MBq; ++m)
-      if (!kfperm) permute_row(Q + (int64_t)m * D, D, kord, Qk + (int64_t)m * D);
+    if (!kfperm)  // (kfperm: the folds read Q)
+      for (int m = 0; m < MBq; ++m) permute_row(Q + (int64_t)m * D, D, kord, Qk + (int64_t)m * D);
     if (!ichn) {
       const int gv = igrp ? P.kc.group / W : D / W;  // vectors per group
       for (int m = 0; m < MBq; ++m) {
