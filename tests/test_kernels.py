@@ -545,7 +545,7 @@ def assert_paths_match(c, ref, dtype, what="", scale=1.0):
     D, gq = c["query"].shape[-1], c["query"].shape[-2] // c["cache"].shape[1]
     for path in PATHS:
         out = run_mine(c, path)
-        if not (dtype == torch.bfloat16 and pv_bf16_runs(path, D, gq)):
+        if not (dtype == torch.bfloat16 and pv_bf16_runs(path, D, gq, c["fmt"])):
             assert_attn_close(out, ref, dtype, scale, what=f"{what} {path}")
             continue
         with env_var("KVQ_EXACT_PV", "1"):
@@ -1140,20 +1140,24 @@ def test_bf16_query_on_bf16_keys(D, gq, monkeypatch):
         fast_and_exact(c, path, "KVQ_EXACT_QK", ref, monkeypatch, f"D{D} gq{gq} {path}")
 
 
-# (format, head_dim, gq): 4/2-bit int and nuq values with per-token / per-group scales; the
-# row blocks pv_bf16 runs (1 to 4, 8) and 16 rows, which keep the fp32 weights
+# (format, head_dim, gq): 4/3/2-bit int and nuq values with per-token / per-group scales
+# (pv_bf16), 8-bit int ones (pv_i16); the row blocks they run (1 to 4, 8) and 16 rows, which
+# keep the fp32 weights
 PV_BF16_CASES = [("int4_group32", 64, 3), ("kivi2", 128, 4), ("int2_token", 128, 8),
                  ("nuq4", 256, 1), ("nuq2", 64, 2), ("kivi4", 128, 16), ("bf16", 128, 4),
                  ("bf16", 256, 1), ("bf16", 80, 3), ("nuq3", 128, 4), ("int3_group32", 64, 3),
-                 ("int3_group32", 96, 2)]
+                 ("int3_group32", 96, 2), ("int8_token", 128, 4), ("int8_group32", 64, 3),
+                 ("int8_token", 256, 8), ("int8_token", 64, 16)]
 
 
-def pv_bf16_runs(path: str, D: int, gq: int) -> bool:
-    """Whether a bf16 query's decode P.V of such values takes bf16 weights (attn_body.h
-    pv_bf16): the AVX-512 path of a CPU with AVX512-BF16 and VBMI, up to 8 rows per kv head,
-    32 channels a step."""
-    return (path == "avx512" and {"avx512_bf16", "avx512vbmi"} <= _cpu_flags()
-            and gq <= 8 and D % 32 == 0)
+def pv_bf16_runs(path: str, D: int, gq: int, fmt=None) -> bool:
+    """Whether a bf16 query's decode P.V of such values takes rounded weights: bf16 ones
+    (attn_body.h pv_bf16: 4/3/2-bit and bf16 values, a CPU with AVX512-BF16 and VBMI) or, for
+    8-bit int values (fmt given), int16 ones (pv_i16: a CPU with AVX512-VNNI); the AVX-512
+    path, up to 8 rows per kv head, 32 channels a step."""
+    int8 = fmt is not None and fmt.value.encoding == "int" and fmt.value.bits == 8
+    need = {"avx512_vnni"} if int8 else {"avx512_bf16", "avx512vbmi"}
+    return path == "avx512" and need <= _cpu_flags() and gq <= 8 and D % 32 == 0
 
 
 @pytest.mark.parametrize("name,D,gq", PV_BF16_CASES,
@@ -1165,7 +1169,8 @@ def test_bf16_weights_in_the_decode_pv(name, D, gq, monkeypatch):
     keeps the fp32 weights. Every path matches the references at bf16's tolerance either
     way; where pv_bf16 runs the two outputs differ (so it ran), by at most 2^-7 relative L2
     per row (measured 2.9e-3 to 3.8e-3 on these cases; one bf16 rounding of the output is
-    ~1e-3), and elsewhere they are equal. KVQ_EXACT_PV=1 also turns off the AVX2 path's byte
+    ~1e-3), and elsewhere they are equal. 8-bit int values take int16 weights instead
+    (pv_i16, each within 2^-16 of the tile's largest weight), held to the same bound. KVQ_EXACT_PV=1 also turns off the AVX2 path's byte
     levels of nuq 4-bit values (pv_byte_runs), held to the same bound."""
     fmt = parse_format(name)
     B = max(32, fmt.residual_chunk)
@@ -1177,7 +1182,7 @@ def test_bf16_weights_in_the_decode_pv(name, D, gq, monkeypatch):
     refs = run_refs(c)
     for path in PATHS:
         out, exact = fast_and_exact(c, path, "KVQ_EXACT_PV", refs, monkeypatch, f"{name} {path}")
-        if not (pv_bf16_runs(path, D, gq) or pv_byte_runs(path, fmt)):
+        if not (pv_bf16_runs(path, D, gq, fmt) or pv_byte_runs(path, fmt)):
             assert torch.equal(out, exact), f"{name} {path}"
             continue
         assert not torch.equal(out, exact), f"{name} {path}: the approximation did not run"

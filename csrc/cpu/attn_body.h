@@ -16,7 +16,8 @@
 //   (4 rows <-> W quads), vadd4;
 //   KVQ_HAS_BF16DP (1: vdp_bf16, ci_loadu, KVQ_BF16_TARGET, for qk_bf16) and KVQ_HAS_PV_BF16
 //   (1: PvPairs, pv_pairs_init, pv_pairs4 / 3 / 2 / 16, pv_dp, pv_bcast / pv_bcast1,
-//   pv_store_bf16 and KVQ_PV_TARGET, for pv_bf16).
+//   pv_store_bf16 and KVQ_PV_TARGET, for pv_bf16) and KVQ_HAS_PV_I16 (1: PvI16, pv_i16_init,
+//   pv_pairs8, pv_dpi, pv_i16_unpair, pv_store_i16, for pv_i16; pv_bcast / pv_bcast1 too).
 //
 // Algorithm (per task = one sequence, one kv head, a tile of query tokens, a range of key
 // positions): the Q rows (all gq query heads of each query token, pre-scaled by
@@ -109,7 +110,8 @@ struct RowStream {
     while (lines > 0) {
       const int64_t in_range = (end[r] - cur + 63) >> 6;
       const int64_t c = lines < in_range ? lines : in_range;
-      for (int64_t i = 0; i < c; ++i) __builtin_prefetch(cur + 64 * i);
+      // prefetcht1: into L2, not L1 (see stream_rows)
+      for (int64_t i = 0; i < c; ++i) __builtin_prefetch(cur + 64 * i, 0, 2);
       cur += 64 * c;
       lines -= c;
       if (cur >= end[r] && ++r < nr) cur = beg[r];
@@ -1511,6 +1513,119 @@ static KVQ_PV_TARGET void pv_bf16_bits(int MB, const float* tab, const uint16_t*
 }
 #endif
 
+#if KVQ_HAS_PV_I16
+// pv_fused's FOLD for 8-bit int values with int16 weights (a bf16 query's decode, like
+// pv_bf16): for each row m and scale group g the tile's weights w[t] = P[m][t] * s[t][g] are
+// rounded against their largest over the row's range [a, b): PW[(m * ngs + g) * SL + t] =
+// rint(w[t] / wsc), wsc[m * ngs + g] = max |w| / 32767. Two tokens' codes (u8, zero-extended)
+// per vpdpwssd lane, summed exactly in int32 through the tile, scaled once per block; codes
+// * scale + zero as in pv_fused (zp: sum_t P[m][t] * z[t][g]). Each weight moves by at most
+// 2^-16 of the tile's largest (pv_bf16's bf16 weights: 2^-9 of each), half of pv_fused's
+// multiply-adds and a quarter of its conversions. A non-finite weight makes wsc NaN (the
+// fp32 path would give inf / NaN too). KVQ_EXACT_PV=1 keeps the fp32 weights.
+static_assert((int64_t)kTileTokens * 32767 * 255 < (int64_t{1} << 31), "pv_i16's int32 sums");
+static void pv_i16_weights(const float* S, int M, int ng, const float* sT, const float* zT,
+                           int sstride, int a, int b, bool full, uint16_t* PW, float* wsc,
+                           float* zp) {
+  const int t0 = a / W * W;
+  for (int m = 0; m < M; ++m)
+    for (int g = 0; g < ng; ++g) {
+      const float* sg = sT + g * sstride;
+      const float* pr = S + m * SL;
+      VF mx = vzero(), bad = vzero();  // bad: 0 * w, NaN where w is not finite
+      for (int t = t0; t < b; t += W) {
+        const VM in = (VM)(vm_first(b - t) & ~vm_first(a > t ? a - t : 0));
+        const VF w = vsel0(in, vmul(vload(pr + t), vload(sg + t)));
+        mx = vmax(vmax(w, vsub(vzero(), w)), mx);
+        bad = vfma(w, vzero(), bad);
+      }
+      const float wmax = vhmax(mx), sc = wmax / 32767.0f;
+      const bool finite = vhsum(bad) == 0.0f;
+      wsc[m * ng + g] = finite ? sc : NAN;
+      const VF inv = vset(finite && wmax > 0.0f ? 32767.0f / wmax : 0.0f);
+      uint16_t* pw = PW + ((int64_t)m * ng + g) * SL;
+      for (int t = t0; t < b; t += W) pv_store_i16(pw + t, vmul(vmul(vload(pr + t), vload(sg + t)), inv));
+      if (full) {
+        const float* zg = zT + g * sstride;
+        VF z = vzero();
+        for (int t = 0; t < b; t += W) z = vfma(vload(pr + t), vload(zg + t), z);
+        zp[m * ng + g] = vhsum(z);
+      }
+    }
+}
+template <int MB, int DS, bool SINGLE>
+static inline void pv_i16_pair(const TileSrc& ts, int t, int u0, const uint16_t* const* pw,
+                               int64_t rs, VI (&x)[MB][2 * DS]) {
+  const uint8_t* r0 = ts.row[t];
+  const uint8_t* r1 = SINGLE ? r0 : ts.row[t + 1];
+  VI v[2 * DS];
+  for (int k = 0; k < DS; ++k) {
+    const int off = (u0 + k) * 2 * W;
+    pv_pairs8(r0 + off, r1 + off, v[2 * k], v[2 * k + 1]);
+  }
+  for (int mi = 0; mi < MB; ++mi)
+    for (int k = 0; k < DS; ++k) {
+      const uint16_t* p = pw[k] + mi * rs + t;
+      const VI w = SINGLE ? pv_bcast1(p) : pv_bcast(p);  // one token: weight 0 beside it
+      x[mi][2 * k] = pv_dpi(x[mi][2 * k], w, v[2 * k]);
+      x[mi][2 * k + 1] = pv_dpi(x[mi][2 * k + 1], w, v[2 * k + 1]);
+    }
+}
+template <int MB, int DS>
+static void pv_i16_block(const PvI16& c, const uint16_t* PW, const float* wsc, const TileSrc& ts,
+                         int a, int b, int D, int u0, float* acc, int ngs) {
+  constexpr int DC = 2 * DS;
+  VI x[MB][DC];
+  for (int mi = 0; mi < MB; ++mi)
+    for (int k = 0; k < DC; ++k) x[mi][k] = ci_zero();
+  const uint16_t* pw[DS];
+  int gk[DS];
+  for (int k = 0; k < DS; ++k) {
+    gk[k] = ((u0 + k) * 2) >> ts.gshift;
+    pw[k] = PW + gk[k] * SL;
+  }
+  const int64_t rs = (int64_t)ngs * SL;
+  RowStream* const next = ts.next;
+  int t = a;
+  while (t + 2 <= b) {  // runs of 16 tokens, the next tile's lines streamed between them
+    const int te = t + imin(16, (b - t) & ~1);
+    if (next) next->step(te - t);
+    for (; t < te; t += 2) pv_i16_pair<MB, DS, false>(ts, t, u0, pw, rs, x);
+  }
+  if (t < b) pv_i16_pair<MB, DS, true>(ts, t, u0, pw, rs, x);
+  for (int mi = 0; mi < MB; ++mi)
+    for (int k = 0; k < DS; ++k) {
+      float* ar = acc + (int64_t)mi * D + (u0 + k) * 2 * W;
+      const VF sc = vset(wsc[mi * ngs + gk[k]]);
+      VI lo, hi;
+      pv_i16_unpair(c, x[mi][2 * k], x[mi][2 * k + 1], lo, hi);
+      vstore(ar, vfma(ci_tof(lo), sc, vload(ar)));
+      vstore(ar + W, vfma(ci_tof(hi), sc, vload(ar + W)));
+    }
+}
+template <int MB>
+static void pv_i16(const uint16_t* PW, const float* wsc, const TileSrc& ts, int a, int b, int D,
+                   float* acc, int ngs) {
+  constexpr int DS = MB <= 2 ? 4 : MB <= 4 ? 2 : 1;  // as pv_bf16
+  const PvI16 c = pv_i16_init();
+  const int nsteps = D / (2 * W);
+  if (ts.next) ts.next->pace((int64_t)(nsteps / DS + nsteps % DS) * (b - a));
+  int u = 0;
+  for (; u + DS <= nsteps; u += DS) pv_i16_block<MB, DS>(c, PW, wsc, ts, a, b, D, u, acc, ngs);
+  for (; u < nsteps; ++u) pv_i16_block<MB, 1>(c, PW, wsc, ts, a, b, D, u, acc, ngs);
+}
+static void pv_i16_rows(int MB, const uint16_t* PW, const float* wsc, const TileSrc& ts, int a,
+                        int b, int D, float* acc, int ngs) {
+  switch (MB) {
+    case 1: pv_i16<1>(PW, wsc, ts, a, b, D, acc, ngs); return;
+    case 2: pv_i16<2>(PW, wsc, ts, a, b, D, acc, ngs); return;
+    case 3: pv_i16<3>(PW, wsc, ts, a, b, D, acc, ngs); return;
+    case 4: pv_i16<4>(PW, wsc, ts, a, b, D, acc, ngs); return;
+    default: pv_i16<8>(PW, wsc, ts, a, b, D, acc, ngs); return;
+  }
+}
+#endif
+
 template <int KIND, bool VEC, bool PERM>
 static void decode_tile_kind(KT<KIND, VEC, PERM>, const TileSrc& ts, int nt, int D, float* out) {
   decode_tile<KIND, VEC>(ts, nt, D, out);
@@ -1698,6 +1813,11 @@ static void pv_tile(const float* P, int M, const float* V, const int* lo, const 
 // 16 x 32k, 9/3/64) bf16 24.3 -> 18.1 ms, int4_group32 18.9 -> 13.5; issued a share per
 // kernel step (RowStream) instead, 4 x 32k, 32/8/128: bf16 21.3 -> 14.0, int4_group32
 // 15.7 -> 7.1 ms, with no cost where the pages are in cache (512 tokens: 0.99-1.07).
+// The lines go to L2 (prefetcht1), not L1 (prefetcht0): on the Zen 4 VM each t0 prefetch
+// held one of the core's few L1 miss slots until its line arrived, so the prefetches
+// themselves stalled (a third of qk_int<8>'s samples) and one core read ~7-9 GB/s; L2's miss
+// queue is deeper and an L1 miss to L2 is cheap. 4 x 32k, 32/8/128, one thread: bf16 60 ->
+// 40-45 ms, int8_token 41 -> 23-24, int4_group32 28 -> 24-25 (t2: the same within noise).
 // Rows [off, off+cnt) of a region: scales and zero-points (separate streams of the plane:
 // without them their first touch stalls the tile's preparation), outlier slots, codes.
 static inline void stream_rows(const kvq::Codec& c, const kvq::Region& r, const uint8_t* plane,
@@ -1865,11 +1985,21 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   // bf16 values: the same with P itself (no scales, values as stored)
   const bool vbv = KVQ_HAS_PV_BF16 && fused && T.decode && P.pv_bf16 && P.dtype == DT_BF16 &&
                    P.vc.encoding == kvq::ENC_BF16 && D % (2 * W) == 0 && pv_bf16_rows(MBp);
+  // int16 weights for the decode P.V of a bf16 query on 8-bit int values (pv_i16), in PS's
+  // storage like PW; pvi_sc: their scales per row and group
+  const bool vi16 = KVQ_HAS_PV_I16 && vfold && T.decode && P.pv_i16 && P.dtype == DT_BF16 &&
+                    P.vc.encoding == kvq::ENC_INT && P.vc.bits == 8 && D % (2 * W) == 0 &&
+                    (P.vc.granularity != kvq::GRAN_GROUP || P.vc.group % (2 * W) == 0) &&
+                    pv_bf16_rows(MBp) && MBp * vng <= 128;
+  [[maybe_unused]] float pvi_sc[128];
   uint16_t* PW = (uint16_t*)PS;
   [[maybe_unused]] float pvtab[16];
   float vmid = 0.0f;
-  if (vbf) {
+  if (vbf || vi16)
     for (int64_t x = (int64_t)M * vng * SL; x < (int64_t)MBp * vng * SL; ++x) PW[x] = 0;
+  if (vi16)
+    for (int x = M * vng; x < MBp * vng; ++x) pvi_sc[x] = 0.0f;
+  if (vbf) {
     const int n = 1 << P.vc.bits;
     float lmin = INFINITY, lmax = -INFINITY;
     for (int i = 0; i < 16; ++i) {
@@ -2112,12 +2242,15 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
 #if KVQ_HAS_PV_BF16
         if (vbf) pv_bf16_weights(S, M, vng, sT, zT, sstride, nt, full, vmid, PW, zp);
 #endif
+#if KVQ_HAS_PV_I16
+        if (vi16) pv_i16_weights(S, M, vng, sT, zT, sstride, a, b, full, PW, pvi_sc, zp);
+#endif
         for (int m = 0; m < M; ++m)
           for (int g = 0; g < vng; ++g) {
             const float* sg = sT + g * sstride;
             const float* zg = zT + g * sstride;
             const float* pr = S + m * SL;
-            if (!vbf) {
+            if (!vbf && !vi16) {
               float* ps = PS + ((int64_t)m * vng + g) * SL;
               VF zs = vzero();
               for (int t = 0; t < nt; t += W) {
@@ -2138,6 +2271,11 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
           if (P.vc.bits == 4) pv_bf16_bits<4>(MBp, pvtab, PW, vs, a, b, D, acc, vng);
           else if (P.vc.bits == 3) pv_bf16_bits<3>(MBp, pvtab, PW, vs, a, b, D, acc, vng);
           else pv_bf16_bits<2>(MBp, pvtab, PW, vs, a, b, D, acc, vng);
+        } else
+#endif
+#if KVQ_HAS_PV_I16
+        if (vi16) {
+          pv_i16_rows(MBp, PW, pvi_sc, vs, a, b, D, acc, vng);
         } else
 #endif
         with_kind(P.vc, vperm,
