@@ -1151,12 +1151,12 @@ PV_BF16_CASES = [("int4_group32", 64, 3), ("kivi2", 128, 4), ("int2_token", 128,
 
 
 def pv_bf16_runs(path: str, D: int, gq: int, fmt=None) -> bool:
-    """Whether a bf16 query's decode P.V of such values takes rounded weights: bf16 ones
-    (attn_body.h pv_bf16: 4/3/2-bit and bf16 values, a CPU with AVX512-BF16 and VBMI) or, for
-    8-bit int values (fmt given), int16 ones (pv_i16: a CPU with AVX512-VNNI); the AVX-512
-    path, up to 8 rows per kv head, 32 channels a step."""
+    """Whether a bf16 query's decode P.V of such values takes rounded weights (attn_body.h
+    pv_bf16: bf16 weights of 4/3/2-bit and bf16 values; pv_i16: int16 weights of 8-bit int
+    values, fmt given, which also needs VNNI): the AVX-512 path of a CPU with AVX512-BF16 and
+    VBMI, up to 8 rows per kv head, 32 channels a step."""
     int8 = fmt is not None and fmt.value.encoding == "int" and fmt.value.bits == 8
-    need = {"avx512_vnni"} if int8 else {"avx512_bf16", "avx512vbmi"}
+    need = {"avx512_bf16", "avx512vbmi"} | ({"avx512_vnni"} if int8 else set())
     return path == "avx512" and need <= _cpu_flags() and gq <= 8 and D % 32 == 0
 
 

@@ -371,7 +371,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
     // vdpbf16ps and VBMI's vpermb / vpmultishiftqb
     P.pv_bf16 = !exact_pv && avx512 && cpu.bf16 && cpu.vbmi ? 1 : 0;
     // int16 weights in a bf16 query's decode P.V of 8-bit int values (pv_i16): vpdpwssd
-    P.pv_i16 = !exact_pv && avx512 && cpu.vnni ? 1 : 0;
+    P.pv_i16 = P.pv_bf16 && cpu.vnni ? 1 : 0;
     // nuq 4-bit values' levels as bytes through vpshufb (AVX2 has no 16-float vpermps)
     P.pv_byte = !exact_pv && path == PATH_AVX2 ? 1 : 0;
     // KVQ_NO_PDEP=1: the vector repack of 3-bit keys (what Zen 1/2 run; tests/test_kernels.py)

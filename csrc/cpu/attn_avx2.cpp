@@ -507,7 +507,6 @@ static inline VF vbfly(VF x, int h) {
 
 #define KVQ_HAS_BF16DP 0  // no vdpbf16ps: bf16 keys take the fp32 Q.K (qk_fused)
 #define KVQ_HAS_PV_BF16 0  // and the decode P.V keeps fp32 weights (pv_fused)
-#define KVQ_HAS_PV_I16 0  // 8-bit values keep fp32 weights (pv_fused)
 #define KVQ_HAS_PV_BYTE 1  // nuq 4-bit values: levels as bytes (ld_b4 / ld_b4x2)
 #include "attn_body.h"
 #include "hadamard_body.h"

@@ -455,6 +455,7 @@ static inline KVQ_PV_TARGET VI pv_tabw(const float* tab) {
 //         token into qword j (token 0: bytes 0-1, token 1: bytes 2-3); i2 the bit offsets
 //         vpmultishiftqb takes each code from (words 0 / 1: channel 2j, words 2 / 3: 2j+1).
 //  16:    i0 / i1 vpermt2w's indices of channels [0, W) / [W, 2W).
+//  8:     i0 / i1 pv_i16_unpair's vpermt2d indices (below).
 // tw: the value table (codes or levels, 32 words, vpermw reads an index's low 5 bits).
 struct PvPairs {
   VI i0, i1, i2, tw;
@@ -463,6 +464,17 @@ static inline KVQ_PV_TARGET PvPairs pv_pairs_init(int bits, const float* tab) {
   alignas(64) uint8_t b0[64], b1[64], b2[64];
   alignas(64) uint16_t s[32];
   PvPairs p;
+  if (bits == 8) {  // pv_i16_unpair's indices: channel j of the step from lane idx of (a, b)
+    alignas(64) int32_t lo[16], hi[16];
+    for (int j = 0; j < 32; ++j) {
+      const int lane = 4 * (j / 8) + j % 4, idx = j % 8 < 4 ? lane : 16 + lane;
+      (j < 16 ? lo[j] : hi[j - 16]) = idx;
+    }
+    p.i0 = _mm512_load_si512((const void*)lo);
+    p.i1 = _mm512_load_si512((const void*)hi);
+    p.i2 = p.tw = p.i0;
+    return p;
+  }
   if (bits == 16) {
     for (int i = 0; i < 32; ++i) s[i] = (uint16_t)(i / 2 + (i % 2 ? 32 : 0));
     p.i0 = _mm512_load_si512((const void*)s);
@@ -559,24 +571,13 @@ static inline KVQ_PV_TARGET void pv_store_bf16(uint16_t* p, VF x) {
 }
 // (p[0], 0) in every lane: a lone token's weight, its pair's partner weighted 0
 static inline VI pv_bcast1(const uint16_t* p) { return _mm512_set1_epi32((int)p[0]); }
-// int16 weights for the decode P.V of 8-bit int values (pv_i16, attn_body.h): two tokens
-// per vpdpwssd (AVX512-VNNI: lane i += w0 * v0 + w1 * v1 in int32), lane i = (token 0's
-// code, token 1's code) of one channel as int16. vpunpckl/hwd interleave within 128-bit
-// lanes, so a step's pairs a / b hold channels {0-3, 8-11, 16-19, 24-27} / {4-7, 12-15,
-// 20-23, 28-31}; pv_i16_unpair puts a block's sums back in channel order. The driver sets
-// AttnParams::pv_i16 on this path only when the CPU has VNNI.
-#define KVQ_HAS_PV_I16 1
-struct PvI16 {
-  VI lo, hi;  // vpermt2d indices: channels [0, W) / [W, 2W) from a step's (a, b) sums
-};
-static inline PvI16 pv_i16_init() {
-  alignas(64) int32_t lo[16], hi[16];
-  for (int j = 0; j < 32; ++j) {
-    const int lane = 4 * (j / 8) + j % 4, idx = j % 8 < 4 ? lane : 16 + lane;
-    (j < 16 ? lo[j] : hi[j - 16]) = idx;
-  }
-  return {_mm512_load_si512((const void*)lo), _mm512_load_si512((const void*)hi)};
-}
+// int16 weights for the decode P.V of 8-bit int values (pv_i16, attn_body.h; pv_bf16's
+// loops with BITS 8): two tokens per vpdpwssd (VNNI: lane i += w0 * v0 + w1 * v1 in int32),
+// lane i = (token 0's code, token 1's code) of one channel as int16. vpunpckl/hwd interleave
+// within 128-bit lanes, so a step's pairs a / b hold channels {0-3, 8-11, 16-19, 24-27} /
+// {4-7, 12-15, 20-23, 28-31}; pv_i16_unpair puts a block's sums back in channel order
+// (pv_pairs_init(8): i0 / i1 its vpermt2d indices). The driver sets AttnParams::pv_i16 only
+// where pv_bf16 runs and the CPU has VNNI.
 // 8-bit codes: 2W bytes of each token, zero-extended (0..255 are valid int16 factors).
 static inline void pv_pairs8(const uint8_t* r0, const uint8_t* r1, VI& a, VI& b) {
   const VI x0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)r0));
@@ -585,9 +586,9 @@ static inline void pv_pairs8(const uint8_t* r0, const uint8_t* r1, VI& a, VI& b)
   b = _mm512_unpackhi_epi16(x0, x1);
 }
 static inline VI pv_dpi(VI acc, VI w, VI v) { return _mm512_dpwssd_epi32(acc, w, v); }
-static inline void pv_i16_unpair(const PvI16& c, VI a, VI b, VI& lo, VI& hi) {
-  lo = _mm512_permutex2var_epi32(a, c.lo, b);
-  hi = _mm512_permutex2var_epi32(a, c.hi, b);
+static inline void pv_i16_unpair(const PvPairs& c, VI a, VI b, VI& lo, VI& hi) {
+  lo = _mm512_permutex2var_epi32(a, c.i0, b);
+  hi = _mm512_permutex2var_epi32(a, c.i1, b);
 }
 // W floats -> W int16, rounded to nearest even, saturated (the weights are within +-32767)
 static inline void pv_store_i16(uint16_t* p, VF x) {

@@ -16,8 +16,8 @@
 //   (4 rows <-> W quads), vadd4;
 //   KVQ_HAS_BF16DP (1: vdp_bf16, ci_loadu, KVQ_BF16_TARGET, for qk_bf16) and KVQ_HAS_PV_BF16
 //   (1: PvPairs, pv_pairs_init, pv_pairs4 / 3 / 2 / 16, pv_dp, pv_bcast / pv_bcast1,
-//   pv_store_bf16 and KVQ_PV_TARGET, for pv_bf16) and KVQ_HAS_PV_I16 (1: PvI16, pv_i16_init,
-//   pv_pairs8, pv_dpi, pv_i16_unpair, pv_store_i16, for pv_i16; pv_bcast / pv_bcast1 too).
+//   pv_store_bf16 and KVQ_PV_TARGET, for pv_bf16; with pv_pairs8, pv_dpi, pv_i16_unpair and
+//   pv_store_i16 also its int16 weights of 8-bit values, pv_i16).
 //
 // Algorithm (per task = one sequence, one kv head, a tile of query tokens, a range of key
 // positions): the Q rows (all gq query heads of each query token, pre-scaled by
@@ -1403,10 +1403,10 @@ static inline bool pv_bf16_3bit(const kvq::Codec& c, int D) {
 // Half of pv_fused's FMAs. Taken for a bf16 query only (AttnParams::pv_bf16, attn_body's
 // caller): its output is rounded to bf16 anyway, as flash attention rounds its P to the
 // value dtype; KVQ_EXACT_PV=1 keeps the fp32 weights.
-template <int BITS, int MB, int DS, bool SINGLE>
+template <int BITS, int MB, int DS, bool SINGLE, typename X>
 static inline KVQ_PV_TARGET void pv_bf16_pair(const PvPairs& c, const TileSrc& ts, int t,
                                               int u0, const uint16_t* const* pw, int64_t rs,
-                                              VF (&x)[MB][2 * DS]) {
+                                              X (&x)[MB][2 * DS]) {
   constexpr int STEP = BITS == 16 ? 4 * W : BITS * W / 4;  // bytes per step of 2W channels
   const uint8_t* r0 = ts.row[t];
   const uint8_t* r1 = SINGLE ? r0 : ts.row[t + 1];
@@ -1414,6 +1414,7 @@ static inline KVQ_PV_TARGET void pv_bf16_pair(const PvPairs& c, const TileSrc& t
   for (int k = 0; k < DS; ++k) {
     const int off = (u0 + k) * STEP;
     if (BITS == 16) pv_pairs16(c, r0 + off, r1 + off, v[2 * k], v[2 * k + 1]);
+    else if (BITS == 8) pv_pairs8(r0 + off, r1 + off, v[2 * k], v[2 * k + 1]);
     else if (BITS == 4) pv_pairs4(c, r0 + off, r1 + off, v[2 * k], v[2 * k + 1]);
     else if (BITS == 3) pv_pairs3(c, r0 + off, r1 + off, v[2 * k], v[2 * k + 1]);
     else pv_pairs2(c, r0 + off, r1 + off, v[2 * k], v[2 * k + 1]);
@@ -1422,8 +1423,10 @@ static inline KVQ_PV_TARGET void pv_bf16_pair(const PvPairs& c, const TileSrc& t
     for (int k = 0; k < DS; ++k) {
       const uint16_t* p = pw[k] + mi * rs + t;
       const VI w = SINGLE ? pv_bcast1(p) : pv_bcast(p);  // one token: weight 0 beside it
-      x[mi][2 * k] = pv_dp(x[mi][2 * k], w, v[2 * k]);
-      x[mi][2 * k + 1] = pv_dp(x[mi][2 * k + 1], w, v[2 * k + 1]);
+      for (int n = 2 * k; n < 2 * k + 2; ++n) {
+        if constexpr (BITS == 8) x[mi][n] = pv_dpi(x[mi][n], w, v[n]);
+        else x[mi][n] = pv_dp(x[mi][n], w, v[n]);
+      }
     }
 }
 // pv_bf16's weights of rows [0, M) with ng scale groups: PW[(m * ng + g) * SL + t] =
@@ -1465,16 +1468,27 @@ static KVQ_PV_TARGET void pv_bf16_weights(const float* S, int M, int ng, const f
       }
     }
 }
+// 8-bit values (pv_i16's int16 weights): int32 sums from zero, scaled by wsc once per block.
+template <bool I16> struct PvAcc { typedef VF type; };
+template <> struct PvAcc<true> { typedef VI type; };
 template <int BITS, int MB, int DS>
 static KVQ_PV_TARGET void pv_bf16_block(const PvPairs& c, const uint16_t* PW, const TileSrc& ts,
-                                        int a, int b, int D, int u0, float* acc, int ngs) {
+                                        int a, int b, int D, int u0, float* acc, int ngs,
+                                        const float* wsc) {
   constexpr int DC = 2 * DS;
   float* base = acc + (int64_t)u0 * 2 * W;
-  VF x[MB][DC];
+  typename PvAcc<BITS == 8>::type x[MB][DC];
   for (int mi = 0; mi < MB; ++mi)
-    for (int k = 0; k < DC; ++k) x[mi][k] = vload(base + (int64_t)mi * D + k * W);
+    for (int k = 0; k < DC; ++k) {
+      if constexpr (BITS == 8) x[mi][k] = ci_zero();
+      else x[mi][k] = vload(base + (int64_t)mi * D + k * W);
+    }
   const uint16_t* pw[DS];
-  for (int k = 0; k < DS; ++k) pw[k] = PW + (((u0 + k) * 2) >> ts.gshift) * SL;
+  int gk[DS];
+  for (int k = 0; k < DS; ++k) {
+    gk[k] = ((u0 + k) * 2) >> ts.gshift;
+    pw[k] = PW + gk[k] * SL;
+  }
   const int64_t rs = (int64_t)ngs * SL;
   RowStream* const next = ts.next;
   int t = a;
@@ -1485,44 +1499,58 @@ static KVQ_PV_TARGET void pv_bf16_block(const PvPairs& c, const uint16_t* PW, co
   }
   if (t < b) pv_bf16_pair<BITS, MB, DS, true>(c, ts, t, u0, pw, rs, x);
   for (int mi = 0; mi < MB; ++mi)
-    for (int k = 0; k < DC; ++k) vstore(base + (int64_t)mi * D + k * W, x[mi][k]);
+    for (int k = 0; k < DS; ++k) {
+      float* ar = base + (int64_t)mi * D + 2 * k * W;
+      if constexpr (BITS == 8) {
+        const VF sc = vset(wsc[mi * ngs + gk[k]]);
+        VI lo, hi;
+        pv_i16_unpair(c, x[mi][2 * k], x[mi][2 * k + 1], lo, hi);
+        vstore(ar, vfma(ci_tof(lo), sc, vload(ar)));
+        vstore(ar + W, vfma(ci_tof(hi), sc, vload(ar + W)));
+      } else {
+        vstore(ar, x[mi][2 * k]);
+        vstore(ar + W, x[mi][2 * k + 1]);
+      }
+    }
 }
 template <int BITS, int MB>
 static KVQ_PV_TARGET void pv_bf16(const PvPairs& c, const uint16_t* PW, const TileSrc& ts, int a,
-                                  int b, int D, float* acc, int ngs) {
+                                  int b, int D, float* acc, int ngs, const float* wsc) {
   // MB * 2DS accumulators (<= 16: enough independent chains) + 2DS values + the constants
   constexpr int DS = MB <= 2 ? 4 : MB <= 4 ? 2 : 1;
   const int nsteps = D / (2 * W);
   if (ts.next) ts.next->pace((int64_t)(nsteps / DS + nsteps % DS) * (b - a));
   int u = 0;
-  for (; u + DS <= nsteps; u += DS) pv_bf16_block<BITS, MB, DS>(c, PW, ts, a, b, D, u, acc, ngs);
-  for (; u < nsteps; ++u) pv_bf16_block<BITS, MB, 1>(c, PW, ts, a, b, D, u, acc, ngs);
+  for (; u + DS <= nsteps; u += DS)
+    pv_bf16_block<BITS, MB, DS>(c, PW, ts, a, b, D, u, acc, ngs, wsc);
+  for (; u < nsteps; ++u) pv_bf16_block<BITS, MB, 1>(c, PW, ts, a, b, D, u, acc, ngs, wsc);
 }
+// BITS 16 / 4 / 3 / 2: bf16 weights PW through the table tab; 8: pv_i16's int16 weights PW
+// with their scales wsc.
 template <int BITS>
 static KVQ_PV_TARGET void pv_bf16_bits(int MB, const float* tab, const uint16_t* PW,
                                        const TileSrc& ts, int a, int b, int D, float* acc,
-                                       int ngs) {
+                                       int ngs, const float* wsc = nullptr) {
   const PvPairs c = pv_pairs_init(BITS, tab);
   switch (MB) {
-    case 1: pv_bf16<BITS, 1>(c, PW, ts, a, b, D, acc, ngs); return;
-    case 2: pv_bf16<BITS, 2>(c, PW, ts, a, b, D, acc, ngs); return;
-    case 3: pv_bf16<BITS, 3>(c, PW, ts, a, b, D, acc, ngs); return;
-    case 4: pv_bf16<BITS, 4>(c, PW, ts, a, b, D, acc, ngs); return;
-    default: pv_bf16<BITS, 8>(c, PW, ts, a, b, D, acc, ngs); return;
+    case 1: pv_bf16<BITS, 1>(c, PW, ts, a, b, D, acc, ngs, wsc); return;
+    case 2: pv_bf16<BITS, 2>(c, PW, ts, a, b, D, acc, ngs, wsc); return;
+    case 3: pv_bf16<BITS, 3>(c, PW, ts, a, b, D, acc, ngs, wsc); return;
+    case 4: pv_bf16<BITS, 4>(c, PW, ts, a, b, D, acc, ngs, wsc); return;
+    default: pv_bf16<BITS, 8>(c, PW, ts, a, b, D, acc, ngs, wsc); return;
   }
 }
-#endif
 
-#if KVQ_HAS_PV_I16
-// pv_fused's FOLD for 8-bit int values with int16 weights (a bf16 query's decode, like
-// pv_bf16): for each row m and scale group g the tile's weights w[t] = P[m][t] * s[t][g] are
-// rounded against their largest over the row's range [a, b): PW[(m * ngs + g) * SL + t] =
-// rint(w[t] / wsc), wsc[m * ngs + g] = max |w| / 32767. Two tokens' codes (u8, zero-extended)
-// per vpdpwssd lane, summed exactly in int32 through the tile, scaled once per block; codes
-// * scale + zero as in pv_fused (zp: sum_t P[m][t] * z[t][g]). Each weight moves by at most
-// 2^-16 of the tile's largest (pv_bf16's bf16 weights: 2^-9 of each), half of pv_fused's
-// multiply-adds and a quarter of its conversions. A non-finite weight makes wsc NaN (the
-// fp32 path would give inf / NaN too). KVQ_EXACT_PV=1 keeps the fp32 weights.
+// pv_i16: pv_fused's FOLD for 8-bit int values with int16 weights (a bf16 query's decode,
+// like pv_bf16): for each row m and scale group g the tile's weights w[t] = P[m][t] * s[t][g]
+// are rounded against their largest over the row's range [a, b): PW[(m * ngs + g) * SL + t]
+// = rint(w[t] / wsc), wsc[m * ngs + g] = max |w| / 32767. Two tokens' codes (u8,
+// zero-extended) per vpdpwssd lane (pv_bf16 with BITS 8), summed exactly in int32 through the
+// tile, scaled once per block; codes * scale + zero as in pv_fused (zp: sum_t P[m][t] *
+// z[t][g]). Each weight moves by at most 2^-16 of the tile's largest (pv_bf16's bf16 weights:
+// 2^-9 of each), half of pv_fused's multiply-adds and a quarter of its conversions. A
+// non-finite weight makes wsc NaN (the fp32 path would give inf / NaN too). KVQ_EXACT_PV=1
+// keeps the fp32 weights.
 static_assert((int64_t)kTileTokens * 32767 * 255 < (int64_t{1} << 31), "pv_i16's int32 sums");
 static void pv_i16_weights(const float* S, int M, int ng, const float* sT, const float* zT,
                            int sstride, int a, int b, bool full, uint16_t* PW, float* wsc,
@@ -1544,7 +1572,8 @@ static void pv_i16_weights(const float* S, int M, int ng, const float* sT, const
       wsc[m * ng + g] = finite ? sc : NAN;
       const VF inv = vset(finite && wmax > 0.0f ? 32767.0f / wmax : 0.0f);
       uint16_t* pw = PW + ((int64_t)m * ng + g) * SL;
-      for (int t = t0; t < b; t += W) pv_store_i16(pw + t, vmul(vmul(vload(pr + t), vload(sg + t)), inv));
+      for (int t = t0; t < b; t += W)
+        pv_store_i16(pw + t, vmul(vmul(vload(pr + t), vload(sg + t)), inv));
       if (full) {
         const float* zg = zT + g * sstride;
         VF z = vzero();
@@ -1552,77 +1581,6 @@ static void pv_i16_weights(const float* S, int M, int ng, const float* sT, const
         zp[m * ng + g] = vhsum(z);
       }
     }
-}
-template <int MB, int DS, bool SINGLE>
-static inline void pv_i16_pair(const TileSrc& ts, int t, int u0, const uint16_t* const* pw,
-                               int64_t rs, VI (&x)[MB][2 * DS]) {
-  const uint8_t* r0 = ts.row[t];
-  const uint8_t* r1 = SINGLE ? r0 : ts.row[t + 1];
-  VI v[2 * DS];
-  for (int k = 0; k < DS; ++k) {
-    const int off = (u0 + k) * 2 * W;
-    pv_pairs8(r0 + off, r1 + off, v[2 * k], v[2 * k + 1]);
-  }
-  for (int mi = 0; mi < MB; ++mi)
-    for (int k = 0; k < DS; ++k) {
-      const uint16_t* p = pw[k] + mi * rs + t;
-      const VI w = SINGLE ? pv_bcast1(p) : pv_bcast(p);  // one token: weight 0 beside it
-      x[mi][2 * k] = pv_dpi(x[mi][2 * k], w, v[2 * k]);
-      x[mi][2 * k + 1] = pv_dpi(x[mi][2 * k + 1], w, v[2 * k + 1]);
-    }
-}
-template <int MB, int DS>
-static void pv_i16_block(const PvI16& c, const uint16_t* PW, const float* wsc, const TileSrc& ts,
-                         int a, int b, int D, int u0, float* acc, int ngs) {
-  constexpr int DC = 2 * DS;
-  VI x[MB][DC];
-  for (int mi = 0; mi < MB; ++mi)
-    for (int k = 0; k < DC; ++k) x[mi][k] = ci_zero();
-  const uint16_t* pw[DS];
-  int gk[DS];
-  for (int k = 0; k < DS; ++k) {
-    gk[k] = ((u0 + k) * 2) >> ts.gshift;
-    pw[k] = PW + gk[k] * SL;
-  }
-  const int64_t rs = (int64_t)ngs * SL;
-  RowStream* const next = ts.next;
-  int t = a;
-  while (t + 2 <= b) {  // runs of 16 tokens, the next tile's lines streamed between them
-    const int te = t + imin(16, (b - t) & ~1);
-    if (next) next->step(te - t);
-    for (; t < te; t += 2) pv_i16_pair<MB, DS, false>(ts, t, u0, pw, rs, x);
-  }
-  if (t < b) pv_i16_pair<MB, DS, true>(ts, t, u0, pw, rs, x);
-  for (int mi = 0; mi < MB; ++mi)
-    for (int k = 0; k < DS; ++k) {
-      float* ar = acc + (int64_t)mi * D + (u0 + k) * 2 * W;
-      const VF sc = vset(wsc[mi * ngs + gk[k]]);
-      VI lo, hi;
-      pv_i16_unpair(c, x[mi][2 * k], x[mi][2 * k + 1], lo, hi);
-      vstore(ar, vfma(ci_tof(lo), sc, vload(ar)));
-      vstore(ar + W, vfma(ci_tof(hi), sc, vload(ar + W)));
-    }
-}
-template <int MB>
-static void pv_i16(const uint16_t* PW, const float* wsc, const TileSrc& ts, int a, int b, int D,
-                   float* acc, int ngs) {
-  constexpr int DS = MB <= 2 ? 4 : MB <= 4 ? 2 : 1;  // as pv_bf16
-  const PvI16 c = pv_i16_init();
-  const int nsteps = D / (2 * W);
-  if (ts.next) ts.next->pace((int64_t)(nsteps / DS + nsteps % DS) * (b - a));
-  int u = 0;
-  for (; u + DS <= nsteps; u += DS) pv_i16_block<MB, DS>(c, PW, wsc, ts, a, b, D, u, acc, ngs);
-  for (; u < nsteps; ++u) pv_i16_block<MB, 1>(c, PW, wsc, ts, a, b, D, u, acc, ngs);
-}
-static void pv_i16_rows(int MB, const uint16_t* PW, const float* wsc, const TileSrc& ts, int a,
-                        int b, int D, float* acc, int ngs) {
-  switch (MB) {
-    case 1: pv_i16<1>(PW, wsc, ts, a, b, D, acc, ngs); return;
-    case 2: pv_i16<2>(PW, wsc, ts, a, b, D, acc, ngs); return;
-    case 3: pv_i16<3>(PW, wsc, ts, a, b, D, acc, ngs); return;
-    case 4: pv_i16<4>(PW, wsc, ts, a, b, D, acc, ngs); return;
-    default: pv_i16<8>(PW, wsc, ts, a, b, D, acc, ngs); return;
-  }
 }
 #endif
 
@@ -1987,7 +1945,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
                    P.vc.encoding == kvq::ENC_BF16 && D % (2 * W) == 0 && pv_bf16_rows(MBp);
   // int16 weights for the decode P.V of a bf16 query on 8-bit int values (pv_i16), in PS's
   // storage like PW; pvi_sc: their scales per row and group
-  const bool vi16 = KVQ_HAS_PV_I16 && vfold && T.decode && P.pv_i16 && P.dtype == DT_BF16 &&
+  const bool vi16 = KVQ_HAS_PV_BF16 && vfold && T.decode && P.pv_i16 && P.dtype == DT_BF16 &&
                     P.vc.encoding == kvq::ENC_INT && P.vc.bits == 8 && D % (2 * W) == 0 &&
                     (P.vc.granularity != kvq::GRAN_GROUP || P.vc.group % (2 * W) == 0) &&
                     pv_bf16_rows(MBp) && MBp * vng <= 128;
@@ -2242,7 +2200,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
 #if KVQ_HAS_PV_BF16
         if (vbf) pv_bf16_weights(S, M, vng, sT, zT, sstride, nt, full, vmid, PW, zp);
 #endif
-#if KVQ_HAS_PV_I16
+#if KVQ_HAS_PV_BF16
         if (vi16) pv_i16_weights(S, M, vng, sT, zT, sstride, a, b, full, PW, pvi_sc, zp);
 #endif
         for (int m = 0; m < M; ++m)
@@ -2273,9 +2231,9 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
           else pv_bf16_bits<2>(MBp, pvtab, PW, vs, a, b, D, acc, vng);
         } else
 #endif
-#if KVQ_HAS_PV_I16
+#if KVQ_HAS_PV_BF16
         if (vi16) {
-          pv_i16_rows(MBp, PW, pvi_sc, vs, a, b, D, acc, vng);
+          pv_bf16_bits<8>(MBp, nullptr, PW, vs, a, b, D, acc, vng, pvi_sc);
         } else
 #endif
         with_kind(P.vc, vperm,

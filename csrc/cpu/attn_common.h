@@ -59,8 +59,8 @@ struct AttnParams {
                             // values uses bf16 weights (attn_body.h pv_bf16: the path has
                             // KVQ_HAS_PV_BF16, the CPU AVX512-BF16 and VBMI); 0: fp32 weights
   int32_t pv_i16;           // 1: a bf16 query's decode P.V of 8-bit int values uses int16
-                            // weights (attn_body.h pv_i16: the path has KVQ_HAS_PV_I16 and
-                            // the CPU AVX512-VNNI); 0: fp32 weights
+                            // weights (attn_body.h pv_i16: where pv_bf16 runs and the CPU
+                            // has AVX512-VNNI); 0: fp32 weights
   int32_t fast_pdep;        // 1: the CPU's BMI2 pdep is fast (not Zen 1/2's microcode): the
                             // AVX2 body repacks 3-bit keys with it (cvt3to4_row_pdep)
   int32_t pv_byte;          // 1: the decode P.V of nuq 4-bit values reads their levels as

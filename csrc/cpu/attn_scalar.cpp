@@ -371,7 +371,6 @@ static inline VF vbfly(VF x, int h) {
 
 #define KVQ_HAS_BF16DP 0  // no vdpbf16ps: bf16 keys take the fp32 Q.K (qk_fused)
 #define KVQ_HAS_PV_BF16 0  // and the decode P.V keeps fp32 weights (pv_fused)
-#define KVQ_HAS_PV_I16 0  // 8-bit values keep fp32 weights (pv_fused)
 #define KVQ_HAS_PV_BYTE 0
 #define KVQ_HAS_PDEP 0  // cvt3to4_row only
 #include "attn_body.h"
