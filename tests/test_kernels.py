@@ -1170,8 +1170,9 @@ def test_bf16_weights_in_the_decode_pv(name, D, gq, monkeypatch):
     way; where pv_bf16 runs the two outputs differ (so it ran), by at most 2^-7 relative L2
     per row (measured 2.9e-3 to 3.8e-3 on these cases; one bf16 rounding of the output is
     ~1e-3), and elsewhere they are equal. 8-bit int values take int16 weights instead
-    (pv_i16, each within 2^-16 of the tile's largest weight), held to the same bound. KVQ_EXACT_PV=1 also turns off the AVX2 path's byte
-    levels of nuq 4-bit values (pv_byte_runs), held to the same bound."""
+    (pv_i16, each within 2^-16 of the tile's largest weight), held to the same bound.
+    KVQ_EXACT_PV=1 also turns off the AVX2 path's byte levels of nuq 4-bit values
+    (pv_byte_runs), held to the same bound."""
     fmt = parse_format(name)
     B = max(32, fmt.residual_chunk)
     levels = tuple(skewed_levels(x.bits) if x.encoding == "nuq" else None

@@ -2199,8 +2199,6 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
         const bool full = a == 0 && b == nt && nt % W == 0;
 #if KVQ_HAS_PV_BF16
         if (vbf) pv_bf16_weights(S, M, vng, sT, zT, sstride, nt, full, vmid, PW, zp);
-#endif
-#if KVQ_HAS_PV_BF16
         if (vi16) pv_i16_weights(S, M, vng, sT, zT, sstride, a, b, full, PW, pvi_sc, zp);
 #endif
         for (int m = 0; m < M; ++m)
@@ -2229,10 +2227,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
           if (P.vc.bits == 4) pv_bf16_bits<4>(MBp, pvtab, PW, vs, a, b, D, acc, vng);
           else if (P.vc.bits == 3) pv_bf16_bits<3>(MBp, pvtab, PW, vs, a, b, D, acc, vng);
           else pv_bf16_bits<2>(MBp, pvtab, PW, vs, a, b, D, acc, vng);
-        } else
-#endif
-#if KVQ_HAS_PV_BF16
-        if (vi16) {
+        } else if (vi16) {
           pv_bf16_bits<8>(MBp, nullptr, PW, vs, a, b, D, acc, vng, pvi_sc);
         } else
 #endif
