@@ -535,13 +535,21 @@ static inline KVQ_PV_TARGET void pv_pairs2(const PvPairs& c, const uint8_t* r0,
   a = _mm512_permutexvar_epi16(_mm512_srlv_epi16(z, c.i1), c.tw);
   b = _mm512_permutexvar_epi16(_mm512_srlv_epi16(z, c.i2), c.tw);
 }
-// 3-bit: 3W/4 bytes (8 codes per 3 bytes, code i at bits 3i..3i+2) of each token, read by
-// masked loads (nothing past them); a = channels [0, W), b = [W, 2W), natural order (the
-// table repeats every 8 entries, the 2 bits above a code pick a copy).
+// 3-bit: 3W/4 bytes (8 codes per 3 bytes, code i at bits 3i..3i+2) of each token, read as
+// 8 + 4 bytes (nothing past them; plain loads, not a masked one: GCC treats the masked-load
+// builtin as reading any memory and then stored pv_bf16's accumulators to the stack on every
+// pair); a = channels [0, W), b = [W, 2W), natural order (the table repeats every 8 entries,
+// the 2 bits above a code pick a copy).
+static inline __m128i load12(const uint8_t* p) {
+  uint64_t lo;
+  uint32_t hi;
+  memcpy(&lo, p, 8);
+  memcpy(&hi, p + 8, 4);
+  return _mm_insert_epi32(_mm_cvtsi64_si128((long long)lo), (int)hi, 2);
+}
 static inline KVQ_PV_TARGET void pv_pairs3(const PvPairs& c, const uint8_t* r0,
                                            const uint8_t* r1, VI& a, VI& b) {
-  const VI src = pv_src(_mm_maskz_loadu_epi8((__mmask16)0x0FFF, r0),
-                        _mm_maskz_loadu_epi8((__mmask16)0x0FFF, r1));
+  const VI src = pv_src(load12(r0), load12(r1));
   const __mmask64 w0 = (__mmask64)0x5555555555555555ULL;  // each word's low byte
   a = _mm512_permutexvar_epi16(
       _mm512_maskz_multishift_epi64_epi8(w0, c.i2, _mm512_permutexvar_epi8(c.i0, src)), c.tw);
