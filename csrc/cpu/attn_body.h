@@ -795,25 +795,23 @@ static void outlier_fix_k(const kvq::Codec& c, const TileSrc& ts, int nt, int M,
 // work[g][k][ch][4] (row group g = m / 4, k = token parity: two tokens hitting one channel
 // chain only every other token), merged into acc at the end: one 4-float add per token
 // and row group instead of one scalar read-modify-write per token and row.
-// work: 8 * ceil(M / 4) * D floats (M <= 16: at most TT * D, the tile's decode scratch).
-// pos: acc's position of each channel when the fused path decodes V permuted
-// (perm_inv_table), nullptr: channel order.
+// work: (8 * ceil(M / 4) + 4) * D floats (M <= 16: at most TT * D, the tile's decode
+// scratch). kind: acc's order when the fused path decodes V permuted (K_U4 / K_U2), -1:
+// channel order. work stays in channel order and each row's sums are permuted once at the
+// merge (permute_row): a lookup per token and lane was ~6% of a nuq2 decode at 512 tokens.
 constexpr int kVFixParity = 2;
-static_assert((W + 3) / 4 * kVFixParity * 4 <= TT, "outlier_fix_v's work fits a tile's rows");
+static_assert(((W + 3) / 4 * kVFixParity + 1) * 4 <= TT, "outlier_fix_v's work fits a tile's rows");
 static void outlier_fix_v(const kvq::Codec& c, const TileSrc& ts, int a, int b, int M, int D,
-                          const float* P, float* acc, float* work, const int32_t* pos) {
+                          const float* P, float* acc, float* work, int kind) {
   const int G = (M + 3) / 4;
   const int64_t gs = (int64_t)kVFixParity * 4 * D;  // floats per row group
   for (int64_t x = 0; x < G * gs; ++x) work[x] = 0.0f;
+  const int32_t* pos = kind >= 0 ? perm_inv_table(kind) : nullptr;  // (the batch path's)
   for_slots(c, ts, a, b, D,
             [&](int t0, VI ch, VM ok, VF delta) {
-              // masked-off lanes add 0 to channel 0 (P there may be anything); pos by
-              // scalar loads: the lanes are used as scalar indices anyway, and AVX2's
-              // gather was ~18% of this function (Zen 3)
+              // masked-off lanes add 0 to channel 0 (P there may be anything)
               int32_t chs[W];
               ci_store(chs, ch);
-              if (pos)
-                for (int i = 0; i < W; ++i) chs[i] = pos[chs[i]];
               for (int g = 0; g < G; ++g) {
                 VF pd[4];
                 for (int r = 0; r < 4; ++r) {
@@ -835,7 +833,9 @@ static void outlier_fix_v(const kvq::Codec& c, const TileSrc& ts, int a, int b, 
                   ac[pos ? pos[ob.ch[i]] : ob.ch[i]] += p[ob.t[i]] * ob.delta[i];
               }
             });
-  for (int g = 0; g < G; ++g)
+  float* rows = work + G * gs;  // kind >= 0: a row group's sums in channel order
+  for (int g = 0; g < G; ++g) {
+    const int nr = imin(4, M - 4 * g);
     for (int d = 0; d < D; d += W) {
       VF sum[4];
       vtr4_load(work + g * gs + 4 * d, sum);
@@ -844,11 +844,23 @@ static void outlier_fix_v(const kvq::Codec& c, const TileSrc& ts, int a, int b, 
         vtr4_load(work + g * gs + k * 4 * D + 4 * d, x);
         for (int r = 0; r < 4; ++r) sum[r] = vadd(sum[r], x[r]);
       }
-      for (int r = 0; r < 4 && 4 * g + r < M; ++r) {
+      for (int r = 0; r < nr; ++r) {
+        if (kind >= 0) {
+          vstore(rows + (int64_t)r * D + d, sum[r]);
+          continue;
+        }
         float* ar = acc + (int64_t)(4 * g + r) * D + d;
         vstore(ar, vadd(vload(ar), sum[r]));
       }
     }
+    if (kind < 0) continue;
+    for (int r = 0; r < nr; ++r) {
+      float* x = rows + (int64_t)r * D;
+      float* ar = acc + (int64_t)(4 * g + r) * D;
+      permute_row(x, D, kind, x);
+      for (int d = 0; d < D; d += W) vstore(ar + d, vadd(vload(ar + d), vload(x + d)));
+    }
+  }
 }
 
 // ---- integer Q.K ---------------------------------------------------------------------------
@@ -2251,8 +2263,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
                   [&](auto k) { pv_fused_kind(k, MBp, S, vs, a, b, D, acc); }, true, vbyte);
       }
       if (P.vc.outliers && lo[0] < hi[0])  // KV: the scratch path's rows, free here
-        outlier_fix_v(P.vc, vs, lo[0], hi[0], M, D, S, acc, KV,
-                      vperm ? perm_inv_table(vpk) : nullptr);
+        outlier_fix_v(P.vc, vs, lo[0], hi[0], M, D, S, acc, KV, vperm ? vpk : -1);
     } else {
       with_kind(P.vc, false, [&](auto k) { decode_tile_kind(k, vs, nt, D, KV); });
       pv_tile(S, M, KV, lo, hi, D, acc);
