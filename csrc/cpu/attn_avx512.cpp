@@ -615,11 +615,13 @@ static inline KVQ_QK3_TARGET void ci_units3(VI w0, VI w1, VI w2, VI* u) {
   u[2] = _mm512_shrdi_epi32(w1, w2, 16);
   u[3] = _mm512_srli_epi32(w2, 8);
 }
-// The 64-byte table ci_fields3 reads: byte i = lut[i & 7] (nullptr: i & 7, the code itself).
+// The 64-byte table ci_fields3 reads: byte i = lut[i & 7] (nullptr: i & 7, the code itself),
+// the 8 entries broadcast to every qword (it was built byte by byte and reloaded: ~2.7% of a
+// nuq3 decode at 512 tokens, as qk_int3 runs once per 32-token scale row there).
 static inline KVQ_QK3_TARGET VI ci_tab3(const uint8_t* lut) {
-  alignas(64) uint8_t t[64];
-  for (int i = 0; i < 64; ++i) t[i] = lut ? lut[i & 7] : (uint8_t)(i & 7);
-  return _mm512_load_si512((const void*)t);
+  uint64_t t = 0x0706050403020100ULL;
+  if (lut) memcpy(&t, lut, 8);
+  return _mm512_set1_epi64((long long)t);
 }
 // 64 bytes dst[p] = src[idx[p]] (idx < 64; dst may be src): the per-channel fold's int8
 // query from channel order into the code order of 4/2-bit keys (vpermb).
