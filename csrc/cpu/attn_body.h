@@ -1837,28 +1837,32 @@ static inline int run_end(const float* const* sv, int t, int nt) {
 // The per-channel fold of MR query rows q (stride D) with one scale row: q' = q * s,
 // rounded to int8 (q8, row scales qs), and zsum = q . z, the rows interleaved so their max
 // chains overlap; q' is computed again for the rounding rather than stored and reloaded.
-// A non-finite q' (the query is finite, so a non-finite scale) makes zsum NaN through
-// q' * 0, and with it every logit of the run, as the exact path would (vmax drops NaN from
-// max|q'|).
+// max|q'| = max(max q', -min q'). A non-finite scale makes zsum NaN through s * 0 (one
+// product per channel, shared by the rows), and with it every logit of the run, as the
+// exact path would; a q' that overflows (finite query and scale) makes max|q'| and so qs
+// inf, and the run's logits qs * 0 + zsum NaN too.
 template <int MR>
 static inline void fold_rows(const float* q, int D, const float* sc, const float* zc,
                              float* qs, float* zsum, int8_t* q8) {
-  VF zs[MR], mx[MR];
-  for (int r = 0; r < MR; ++r) zs[r] = mx[r] = vzero();
+  VF zs[MR], mx[MR], mn[MR], nf = vzero();
+  for (int r = 0; r < MR; ++r) zs[r] = mx[r] = mn[r] = vzero();
   for (int d = 0; d < D; d += W) {
     const VF s = vload(sc + d), z = vload(zc + d);
+    nf = vfma(s, vzero(), nf);
     for (int r = 0; r < MR; ++r) {
       const VF qv = vload(q + (int64_t)r * D + d), x = vmul(qv, s);
-      mx[r] = vmax(mx[r], vmax(x, vsub(vzero(), x)));
-      zs[r] = vfma(qv, z, vfma(x, vzero(), zs[r]));
+      mx[r] = vmax(mx[r], x);
+      mn[r] = vmin(mn[r], x);
+      zs[r] = vfma(qv, z, zs[r]);
     }
   }
+  const float nan_or_0 = vhsum(nf);
   VF inv[MR];
   for (int r = 0; r < MR; ++r) {
-    const float amax = vhmax(mx[r]);
+    const float amax = std::max(vhmax(mx[r]), -vhmin(mn[r]));
     inv[r] = vset(q8_inv(amax));
     qs[r] = amax / 127.0f;  // quantize_q8_amax's
-    zsum[r] = vhsum(zs[r]);
+    zsum[r] = vhsum(zs[r]) + nan_or_0;
   }
   for (int d = 0; d < D; d += W) {
     const VF s = vload(sc + d);
