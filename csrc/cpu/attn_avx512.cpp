@@ -46,14 +46,6 @@ static inline float vhmax(VF v) {
   x = _mm_max_ss(x, _mm_movehdup_ps(x));
   return _mm_cvtss_f32(x);
 }
-static inline float vhmin(VF v) {
-  __m256 y = _mm256_min_ps(_mm512_castps512_ps256(v),
-                           _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-  __m128 x = _mm_min_ps(_mm256_castps256_ps128(y), _mm256_extractf128_ps(y, 1));
-  x = _mm_min_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_min_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
-}
 // 2^x, rel. error ~2e-7; x < -125 (and -inf) -> 0; NaN stays NaN.
 static inline VF vexp2(VF x) {
   const VF t = vmin(vset(127.0f), vmax(vset(-125.0f), x));

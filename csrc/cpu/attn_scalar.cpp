@@ -49,11 +49,6 @@ static inline float vhmax(VF v) {
   for (int i = 1; i < W; ++i) s = v.v[i] > s ? v.v[i] : s;
   return s;
 }
-static inline float vhmin(VF v) {
-  float s = v.v[0];
-  for (int i = 1; i < W; ++i) s = v.v[i] < s ? v.v[i] : s;
-  return s;
-}
 static inline float exp2_1(float x) {
   float t = x > -125.0f ? x : -125.0f;
   if (x != x) t = x;
