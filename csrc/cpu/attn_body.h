@@ -833,7 +833,7 @@ static void outlier_fix_v(const kvq::Codec& c, const TileSrc& ts, int a, int b, 
                   ac[pos ? pos[ob.ch[i]] : ob.ch[i]] += p[ob.t[i]] * ob.delta[i];
               }
             });
-  float* rows = work + G * gs;  // kind >= 0: a row group's sums in channel order
+  float* rows = work + G * gs;  // a row group's sums, in channel order
   for (int g = 0; g < G; ++g) {
     const int nr = imin(4, M - 4 * g);
     for (int d = 0; d < D; d += W) {
@@ -844,20 +844,12 @@ static void outlier_fix_v(const kvq::Codec& c, const TileSrc& ts, int a, int b, 
         vtr4_load(work + g * gs + k * 4 * D + 4 * d, x);
         for (int r = 0; r < 4; ++r) sum[r] = vadd(sum[r], x[r]);
       }
-      for (int r = 0; r < nr; ++r) {
-        if (kind >= 0) {
-          vstore(rows + (int64_t)r * D + d, sum[r]);
-          continue;
-        }
-        float* ar = acc + (int64_t)(4 * g + r) * D + d;
-        vstore(ar, vadd(vload(ar), sum[r]));
-      }
+      for (int r = 0; r < nr; ++r) vstore(rows + (int64_t)r * D + d, sum[r]);
     }
-    if (kind < 0) continue;
     for (int r = 0; r < nr; ++r) {
       float* x = rows + (int64_t)r * D;
       float* ar = acc + (int64_t)(4 * g + r) * D;
-      permute_row(x, D, kind, x);
+      if (kind >= 0) permute_row(x, D, kind, x);
       for (int d = 0; d < D; d += W) vstore(ar + d, vadd(vload(ar + d), vload(x + d)));
     }
   }
