@@ -156,27 +156,38 @@ KVQ_LAYOUT Layout make_layout(const Codec& kc, const Codec& vc, int32_t head_dim
   return l;
 }
 
-// Full-precision residual window (recent tokens), per running sequence per layer: K and V
-// of up to `residual_tokens` tokens per kv head.
+// Residual window (recent tokens), per running sequence per layer: K and V of up to
+// `residual_tokens` tokens per kv head, each (token, K or V, kv head) row of head_dim values
+// stored in `window_bits`: 16 (the model's 16-bit dtype, exact for a 16-bit model) or 8
+// (int8 codes and one float32 scale, max|x| / 127, right after them: the `_w8` formats).
+constexpr int32_t kWindowScaleBytes = 4;
+KVQ_LAYOUT bool window_bits_ok(int32_t window_bits) {
+  return window_bits == 16 || window_bits == 8;
+}
+KVQ_LAYOUT int32_t window_value_row_bytes(int32_t head_dim, int32_t window_bits) {
+  return window_bits == 8 ? head_dim + kWindowScaleBytes : head_dim * 2;
+}
 KVQ_LAYOUT int64_t residual_bytes_per_seq_layer(int32_t num_kv_heads, int32_t head_dim,
-                                            int32_t residual_tokens, int32_t elem_bytes) {
-  return (int64_t)2 * num_kv_heads * residual_tokens * head_dim * elem_bytes;
+                                            int32_t residual_tokens, int32_t window_bits) {
+  return (int64_t)2 * num_kv_heads * residual_tokens *
+         window_value_row_bytes(head_dim, window_bits);
 }
 
 // The window lives in blocks of vLLM's own pool (vllm_kvq/window_cache.py), pages of the
 // same size as the quantized ones: a block's page (block_size tokens x token_bytes, per kv
-// head) holds this many window rows of one token's K and V (2 x head_dim values per head).
+// head) holds this many window rows of one token's K and V (2 value rows per head).
 KVQ_LAYOUT int32_t window_rows_per_block(int32_t token_bytes, int32_t block_size,
-                                         int32_t head_dim, int32_t elem_bytes) {
-  return (int32_t)((int64_t)token_bytes * block_size / (2 * head_dim * elem_bytes));
+                                         int32_t head_dim, int32_t window_bits) {
+  return (int32_t)((int64_t)token_bytes * block_size /
+                   (2 * window_value_row_bytes(head_dim, window_bits)));
 }
 
 // Blocks a running sequence claims for its window (0: no window).
 KVQ_LAYOUT int32_t window_blocks_per_seq(int32_t token_bytes, int32_t block_size,
                                          int32_t head_dim, int32_t residual_tokens,
-                                         int32_t elem_bytes) {
+                                         int32_t window_bits) {
   if (residual_tokens == 0) return 0;
-  const int32_t rows = window_rows_per_block(token_bytes, block_size, head_dim, elem_bytes);
+  const int32_t rows = window_rows_per_block(token_bytes, block_size, head_dim, window_bits);
   return (residual_tokens + rows - 1) / rows;
 }
 
@@ -209,12 +220,20 @@ static_assert(token_bytes(kKivi2Keys, kInt2Group32, 128) == 96, "kivi2, head_dim
 static_assert(token_bytes(kNuq3Keys, kNuq3Values, 128) == 124, "nuq3, head_dim 128");
 // 16-bit windows in pool blocks of 128 tokens at head_dim 64: kivi2's 128 tokens take 6
 // blocks of 24 rows, kivi4's 4 blocks of 40, nuq3's 32 tokens one block of 34
-static_assert(window_blocks_per_seq(token_bytes(kKivi2Keys, kInt2Group32, 64), 128, 64, 128, 2)
+static_assert(window_blocks_per_seq(token_bytes(kKivi2Keys, kInt2Group32, 64), 128, 64, 128, 16)
               == 6, "kivi2 window");
-static_assert(window_blocks_per_seq(token_bytes(kKivi4Keys, kInt4Group32, 64), 128, 64, 128, 2)
+static_assert(window_blocks_per_seq(token_bytes(kKivi4Keys, kInt4Group32, 64), 128, 64, 128, 16)
               == 4, "kivi4 window");
-static_assert(window_blocks_per_seq(token_bytes(kNuq3Keys, kNuq3Values, 64), 128, 64, 32, 2)
+static_assert(window_blocks_per_seq(token_bytes(kNuq3Keys, kNuq3Values, 64), 128, 64, 32, 16)
               == 1, "nuq3 window");
+// 8-bit windows (_w8): 68 bytes per value row at head_dim 64; kivi2_w8 takes 3 blocks of 45
+// rows, kivi4_w8 2 of 75
+static_assert(window_value_row_bytes(64, 8) == 68 && window_value_row_bytes(128, 8) == 132,
+              "int8 window row: codes + float32 scale");
+static_assert(window_blocks_per_seq(token_bytes(kKivi2Keys, kInt2Group32, 64), 128, 64, 128, 8)
+              == 3, "kivi2_w8 window");
+static_assert(window_blocks_per_seq(token_bytes(kKivi4Keys, kInt4Group32, 64), 128, 64, 128, 8)
+              == 2, "kivi4_w8 window");
 }  // namespace canonical
 
 }  // namespace kvq

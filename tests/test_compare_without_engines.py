@@ -66,18 +66,26 @@ def test_greedy_token_agreement_counts_until_first_difference():
 
 
 @pytest.mark.parametrize("method", ["bf16", "int8_token", "int4_group32", "int2_token",
-                                    "kivi2", "int4_group32_r128"])
+                                    "kivi2", "int4_group32_r128", "kivi2_w8"])
 def test_memory_row_is_the_page_layout(method):
     fmt = parse_format(method)
     row = memory.memory_row(method, SMOL, "float32")
     assert row["bytes_per_token_head"] == fmt.layout(64, 128).token_bytes
     assert row["bytes_per_token_model"] == row["bytes_per_token_head"] * 30 * 3
     assert row["ratio_vs_bf16"] == pytest.approx(fmt.ratio_vs_bf16(64, 128))
-    assert row["residual_bytes_per_seq"] == fmt.residual_bytes_per_seq(30, 3, 64, 2)
+    assert row["residual_bytes_per_seq"] == fmt.residual_bytes_per_seq(30, 3, 64)
     assert (row["residual_bytes_per_seq"] > 0) == (fmt.residual_tokens > 0)
     # the fields (codes, scales, zero-points) add up to the token's bytes less padding
     assert sum(row["fields_per_token_head"].values()) == pytest.approx(
         row["bytes_per_token_head"] - fmt.bytes_per_token(64, 128)["padding"])
+
+
+def test_an_8bit_window_halves_the_window_memory():
+    """kivi2_w8: the same pages as kivi2, its window in 3 pool blocks instead of 6."""
+    w16, w8 = (memory.memory_row(m, SMOL, "float32") for m in ("kivi2", "kivi2_w8"))
+    assert w8["bytes_per_token_head"] == w16["bytes_per_token_head"]
+    assert w8["window_bytes_per_seq"] * 2 == w16["window_bytes_per_seq"]
+    assert w8["format"].endswith("128 recent int8") and w16["format"].endswith("recent fp")
 
 
 def test_memory_row_of_vllm_peers():

@@ -69,6 +69,33 @@ def test_residual_memory_is_per_sequence():
     # SmolLM2: 30 layers, 3 kv heads, head_dim 64, bf16 window of 128 tokens for K and V
     assert fmt.residual_bytes_per_seq(30, 3, 64) == 30 * 2 * 3 * 128 * 64 * 2
     assert parse_format("int4_group32").residual_bytes_per_seq(30, 3, 64) == 0
+    # _w8: int8 codes and a float32 scale per (token, K or V, kv head) row
+    assert parse_format("kivi2_w8").residual_bytes_per_seq(30, 3, 64) == \
+        30 * 2 * 3 * 128 * (64 + 4)
+
+
+def test_an_8bit_window_takes_half_the_blocks():
+    """The window's pool blocks (csrc/kvq_layout.h static_asserts: kivi2 6 -> 3, kivi4
+    4 -> 2 at head_dim 64, block 128); the pages' bytes do not change."""
+    for name, blocks, blocks_w8 in (("kivi2", 6, 3), ("kivi4", 4, 2), ("nuq3", 1, 1)):
+        f, f8 = parse_format(name), parse_format(name + "_w8")
+        assert (f.window_blocks_per_seq(64, 128), f8.window_blocks_per_seq(64, 128)) == \
+            (blocks, blocks_w8), name
+        assert f8.layout(64, 128) == f.layout(64, 128) and f8.window_bits == 8
+        assert f8.window_rows_per_block(64, 128) == f.layout(64, 128).token_bytes * 128 // \
+            (2 * 68)
+    assert parse_format("kivi2_w8").window_blocks_per_seq(128, 128, lookback=4) == \
+        -(-132 // (96 * 128 // (2 * 132)))
+
+
+def test_window_suffix_stays_last():
+    f = parse_format("int4_token_o1_r32_rot_w8")
+    assert (f.rotation, f.residual_tokens, f.window_bits) == ("hadamard", 32, 8)
+    assert f.with_outliers(2).name == "int4_token_o2_r32_rot_w8"
+    assert f.with_residual(64).name == "int4_token_o1_r64_rot_w8"
+    assert f.with_residual(0).name == "int4_token_o1_rot"  # no window, nothing to store
+    assert f.with_rotation("none").name == "int4_token_o1_r32_w8"
+    assert parse_format("nuq3_lm_rot_w8").codebook == "gaussian"
 
 
 @pytest.mark.parametrize("name,D,B,match", [
@@ -88,6 +115,10 @@ def test_residual_memory_is_per_sequence():
     ("int4_token_rotv", 80, 32, r"rotation=hadamard_values needs head_dim in \(64, 128, 256\)"),
     ("int4_group32_lm", 64, 32, "_lm .* applies to nuq formats only"),
     ("nuq3_rot_lm", 64, 32, "the suffixes go _lm then _rot, once each"),
+    ("int4_group32_w8", 64, 128, "_w8 stores the residual window in 8 bits, and "
+                                 "'int4_group32' has none; e.g. kivi4_w8"),
+    ("kivi4_w8_w8", 64, 128, "_w8 once, at the end"),
+    ("kivi4_w8_rot", 64, 128, r"_w8 goes last \(e.g. kivi2_rot_w8\)"),
 ])
 def test_bad_formats_say_what_is_allowed(name, D, B, match):
     with pytest.raises(FormatError, match=match):
@@ -106,11 +137,17 @@ def test_bad_formats_say_what_is_allowed(name, D, B, match):
     ({"method": "nuq2", "rotation": "hadamard_values"}, "nuq2_rotv"),
     ({"method": "kivi2_rotv", "rotation": "hadamard"}, "kivi2_rot"),
     ({"method": "nuq3_lm_rotv"}, "nuq3_lm_rotv"),
+    ({"method": "kivi", "window_bits": 8}, "kivi2_w8"),
+    ({"method": "kivi4_w8", "window_bits": 16}, "kivi4"),
+    ({"method": "nuq3_lm_rot", "window_bits": 8}, "nuq3_lm_rot_w8"),
+    ({"method": "kivi2_w8", "rotation": "hadamard"}, "kivi2_rot_w8"),
 ])
 def test_config_maps_to_formats(d, name):
     assert config_from_dict(d).fmt.name == name
-    rotation = {"_rot": "hadamard", "rotv": "hadamard_values"}.get(name[-4:], "none")
+    base = name.removesuffix("_w8")
+    rotation = {"_rot": "hadamard", "rotv": "hadamard_values"}.get(base[-4:], "none")
     assert config_from_dict(d).fmt.rotation == rotation
+    assert config_from_dict(d).fmt.window_bits == (8 if name.endswith("_w8") else 16)
 
 
 def test_lloyd_max_formats_need_no_calibration_file():
@@ -167,6 +204,9 @@ def test_rotation_suffix_keeps_the_rest_of_the_name():
     ({"method": "int", "key_granularity": "row"}, "granularity='row' is not allowed"),
     ({"method": "int", "rotation": "random"},
      "kvq.rotation='random' is not allowed; allowed: none, hadamard, hadamard_values"),
+    ({"method": "kivi", "window_bits": 4}, "kvq.window_bits=4 is not allowed; allowed: 16, 8"),
+    ({"method": "kivi", "window_bits": True}, "kvq.window_bits=True is not allowed"),
+    ({"method": "int4_group32", "window_bits": 8}, "window_bits=8 needs a residual window"),
 ])
 def test_bad_config_names_key_value_and_allowed(d, match):
     with pytest.raises(FormatError, match=match):

@@ -7,9 +7,9 @@ import torch
 
 from vllm_kvq import reference as ref
 from vllm_kvq.formats import parse_format
-from vllm_kvq.residual import (ResidualStateError, ResidualWindows, plan_tensors,
-                               stage_and_write, stage_and_write_torch,
-                               window_addresses)
+from vllm_kvq.residual import (ResidualStateError, ResidualWindows, dequantize_window_rows,
+                               plan_tensors, quantize_window_rows, stage_and_write,
+                               stage_and_write_torch, window_addresses)
 
 B, H, HQ, D = 64, 2, 4, 64
 SCALE = D ** -0.5
@@ -26,7 +26,10 @@ class Sim:
         self.R = self.fmt.residual_chunk
         # a few rows per block, so that a window spans several blocks
         self.windows = ResidualWindows(self.R, B, rows_per_block, lookback)
-        self.pool = torch.zeros(num_blocks, rows_per_block, 2, H, D, dtype=torch.bfloat16)
+        row = self.fmt.window_value_row_bytes(D)
+        self.pool = (torch.zeros(num_blocks, rows_per_block, 2, H, row, dtype=torch.uint8)
+                     if self.fmt.window_bits == 8 else
+                     torch.zeros(num_blocks, rows_per_block, 2, H, D, dtype=torch.bfloat16))
         # window blocks, handed out and taken back like vLLM's block manager does (LIFO)
         self.free = list(range(num_blocks - 1, 23, -1))
         self.window_of = {}
@@ -95,8 +98,13 @@ class Sim:
         return errs
 
     def expected(self, rid, q, L_prev):
-        """What decode at each position sees: complete chunks quantized, the rest exact."""
-        K, V = (x.float() for x in self.history[rid])
+        """What decode at each position sees: complete chunks quantized, the rest exact (with
+        an 8-bit window: every token rounded to int8 per row first, chunks quantized from
+        those values)."""
+        K, V = self.history[rid]
+        if self.fmt.window_bits == 8:
+            K, V = (dequantize_window_rows(quantize_window_rows(x), x.dtype) for x in (K, V))
+        K, V = K.float(), V.float()
         out = torch.zeros(q.shape[0], HQ, D)
         for i in range(q.shape[0]):
             p = L_prev + i
@@ -113,7 +121,8 @@ class Sim:
         return out
 
 
-@pytest.mark.parametrize("name", ["kivi2_k16_g16_r32", "int4_group32_r64", "int8_token"])
+@pytest.mark.parametrize("name", ["kivi2_k16_g16_r32", "int4_group32_r64", "int8_token",
+                                  "kivi2_k16_g16_r32_w8"])
 def test_chunked_prefill_decode_and_mixed_batches(name):
     sim = Sim(name)
     a, b = [5, 2, 9], [7, 1, 3]
@@ -170,7 +179,8 @@ def test_missing_state_mid_chunk_is_an_error_not_garbage():
 SPEC = 4
 
 
-@pytest.mark.parametrize("name", ["kivi2_k16_g16_r32", "int4_group32_r64"])
+@pytest.mark.parametrize("name", ["kivi2_k16_g16_r32", "int4_group32_r64",
+                                  "int4_group32_r64_w8"])
 def test_speculative_drafts_rolled_back_inside_a_quantized_chunk(name):
     """A verification step completes a chunk with drafts in it and quantizes it; the drafts
     are rejected; the next step resumes inside that chunk, with other tokens there. The
@@ -286,3 +296,70 @@ def test_stage_window_op_rejects_bad_rows():
         stage_and_write(md, key, value, pool, ((bad, g_row), keep), lambda *a: None)
     with pytest.raises(RuntimeError, match="pool must be bfloat16 or float16"):
         stage_and_write(md, key, value, pool.float(), addresses, lambda *a: None)
+
+
+def _int8_pages(nb, rpb, seed=1):
+    """Window pages of 8-bit rows (random codes, positive scales) padded beyond the rows."""
+    g = torch.Generator().manual_seed(seed)
+    rows = torch.randn(nb, rpb, 2, H, D, generator=g) * 3
+    q = quantize_window_rows(rows).view(nb, -1)
+    pages = torch.cat([q, torch.randint(256, (nb, 32), generator=g, dtype=torch.uint8)], 1)
+    return pages, pages[:, :q.shape[1]].view(nb, rpb, 2, H, D + 4)
+
+
+@pytest.mark.parametrize("key_dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_stage_window_op_matches_torch_indexing_int8_window(key_dtype):
+    """An 8-bit window (_w8): the extension and the torch reference stage the same values
+    and keep the same bytes (codes and scales), gathered rows and new tokens alike."""
+    md, key, value, _, _, addresses = _random_window_step(key_dtype, torch.bfloat16)
+    pages, pool = _int8_pages(6, 5)
+    pages_t = pages.clone()
+    pool_t = pages_t[:, :pool[0].numel()].view(pool.shape)
+    writes, writes_t = [], []
+    got = stage_and_write(md, key, value, pool, addresses, lambda *a: writes.append(a))
+    want = stage_and_write_torch(md, key, value, pool_t, addresses,
+                                 lambda *a: writes_t.append(a))
+    filled = torch.cat([md.pool_gather[0], md.new_gather[0]])
+    assert all(torch.equal(a[filled], b[filled]) for a, b in zip(got, want))
+    assert torch.equal(pages, pages_t)
+    assert len(writes) == 1 and all(torch.equal(a, b) for a, b in zip(writes[0], writes_t[0]))
+
+
+def test_an_int8_window_stages_every_row_rounded():
+    """New tokens are staged as their int8 rounding (so a prefill chunk's queries read what
+    later decode steps read back from the pool), kept as those codes, and read back
+    unchanged: max error half a step (max|x| / 254) per row, plus the bf16 rounding of the
+    decoded value."""
+    g = torch.Generator().manual_seed(3)
+    key = torch.randn(3, H, D, generator=g).to(torch.bfloat16)
+    value = torch.randn(3, H, D, generator=g).to(torch.bfloat16)
+    pool = torch.zeros(2, 4, 2, H, D + 4, dtype=torch.uint8)
+    md = SimpleNamespace(plan=SimpleNamespace(num_staging=3),
+                         pool_gather=(torch.tensor([], dtype=torch.int64),),
+                         new_gather=(torch.arange(3), torch.arange(3)),
+                         keep=(torch.arange(3),), final_rows=torch.tensor([], dtype=torch.int64),
+                         final_slots=torch.tensor([], dtype=torch.int64))
+    empty = torch.tensor([], dtype=torch.int64)
+    addresses = ((empty, empty), (torch.tensor([0, 0, 1]), torch.tensor([0, 3, 2])))
+    st_k, st_v = stage_and_write(md, key, value, pool, addresses, None)
+    for x, st in ((key, st_k), (value, st_v)):
+        step = x.float().abs().amax(-1, keepdim=True) / 127
+        bound = step / 2 + st.float().abs() * 2.0 ** -8
+        assert ((st.float() - x.float()).abs() <= bound).all()
+        assert not torch.equal(st, x)  # rounded, not copied
+        assert torch.equal(st, dequantize_window_rows(quantize_window_rows(x), x.dtype))
+    # read back by a later step: the same values
+    md2 = SimpleNamespace(plan=SimpleNamespace(num_staging=3),
+                          pool_gather=(torch.arange(3),), new_gather=(empty, empty),
+                          keep=(empty,), final_rows=empty, final_slots=empty)
+    back = stage_and_write(md2, key[:0], value[:0], pool, (addresses[1], (empty, empty)), None)
+    assert torch.equal(back[0], st_k) and torch.equal(back[1], st_v)
+
+
+def test_int8_window_rows_zero_and_non_finite():
+    x = torch.zeros(2, D)
+    x[1, 5] = float("inf")
+    q = quantize_window_rows(x)
+    back = dequantize_window_rows(q, torch.float32)
+    assert torch.equal(back[0], torch.zeros(D))  # scale 1, codes 0
+    assert back[1].isnan().all()  # a non-finite row reads back as NaN, never as numbers

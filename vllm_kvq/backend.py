@@ -36,8 +36,8 @@ from vllm_kvq import ops, prefill
 from vllm_kvq.config import (KVQConfig, config_from_vllm, layer_index, model_levels,
                              speculative_tokens)
 from vllm_kvq.formats import SUPPORTED_HEAD_SIZES
-from vllm_kvq.residual import (WINDOW_BYTES, ResidualWindows, StepPlan, plan_tensors,
-                               stage_and_write, window_dtype)
+from vllm_kvq.residual import (ResidualWindows, StepPlan, plan_tensors, stage_and_write,
+                               window_dtype)
 from vllm_kvq.window_cache import WINDOW_SUFFIX, KVQWindowLayer, KVQWindowMetadata
 
 # customize_spec runs with no current vLLM config: the impls and the builder record the
@@ -157,7 +157,7 @@ class KVQMetadataBuilder(AttentionMetadataBuilder[KVQMetadata]):
         self.device = device
         fmt, B = self.config.fmt, kv_cache_spec.block_size
         self.windows = (ResidualWindows(fmt.residual_chunk, B, fmt.window_rows_per_block(
-            kv_cache_spec.head_size, B, WINDOW_BYTES), speculative_tokens(vllm_config))
+            kv_cache_spec.head_size, B), speculative_tokens(vllm_config))
             if fmt.residual_tokens else None)
         # Chunks of >= PREFILL_MIN_QUERY queries take the flash path (vllm_kvq.prefill) on the
         # CPU unless KVQ_FLASH_PREFILL=0; decodes and short chunks stay on the paged kernel,
@@ -241,7 +241,8 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
         ctx = self.static_forward_context
         name = next(n for n, layer in ctx.items() if getattr(layer, "impl", None) is self)
         self.window = KVQWindowLayer(name + WINDOW_SUFFIX, ctx, self.fmt, self.num_kv_heads,
-                                     self.head_size, window_dtype(act_dtype))
+                                     self.head_size,
+                                     window_dtype(act_dtype, self.fmt.window_bits))
 
     def forward(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor,
                 value: torch.Tensor, kv_cache: torch.Tensor, attn_metadata: KVQMetadata,

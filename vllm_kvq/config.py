@@ -16,6 +16,9 @@ Keys (all optional but `method`):
                      values only) of each head by a seeded randomized Hadamard transform
                      before quantizing (vllm_kvq.rotation; the same as the format name's
                      _rot / _rotv suffix)
+  window_bits        16 | 8: how the residual window stores recent tokens (8: int8 with a
+                     float32 scale per token, K/V and kv head, half the window's memory;
+                     the same as the format name's _w8 suffix)
   calibration        path of a calibration file (`vllm-kvq calibrate`): the nuq codebooks
                      (not read by _lm formats, whose codebooks need no data).
                      nuq formats need one; without this key the model's shipped default
@@ -33,12 +36,13 @@ from typing import Any
 
 from vllm_kvq.formats import (KIVI_DEFAULT_GROUP, Codec, FormatError,
                               KVFormat, parse_format)
+from vllm_kvq.residual import WINDOW_BITS
 from vllm_kvq.rotation import ROTATIONS
 
 CONFIG_KEY = "kvq"
 ALLOWED_KEYS = ("method", "bits", "group_size", "key_granularity", "value_granularity",
                 "residual_tokens", "symmetric", "k_scale", "v_scale", "calibration",
-                "outlier_fraction", "rotation")
+                "outlier_fraction", "rotation", "window_bits")
 FAMILIES = ("bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2", "int", "kivi", "nuq")
 DEFAULT_INT_GROUP = 32
 DEFAULT_NUQ_BITS = 3
@@ -68,7 +72,7 @@ class KVQConfig:
         return {"method": self.fmt.name, "residual_tokens": self.fmt.residual_tokens,
                 "k_scale": self.k_scale, "v_scale": self.v_scale,
                 "calibration": self.calibration, "outlier_fraction": self.outlier_fraction,
-                "rotation": self.fmt.rotation}
+                "rotation": self.fmt.rotation, "window_bits": self.fmt.window_bits}
 
 
 def outlier_slots(fraction: float, head_dim: int) -> int:
@@ -143,7 +147,8 @@ def _with_overrides(fmt: KVFormat, d: dict) -> KVFormat:
     if (k, v, r) == (fmt.key, fmt.value, fmt.residual_tokens):
         return fmt
     given = ",".join(f"{key}={d[key]}" for key in ALLOWED_KEYS[1:7] if key in d)
-    return KVFormat(f"{fmt.name}[{given}]", k, v, r, fmt.rotation)
+    return dataclasses.replace(fmt, name=f"{fmt.name}[{given}]", key=k, value=v,
+                               residual_tokens=r)
 
 
 def config_from_dict(d: dict | None, head_dim: int | None = None) -> KVQConfig:
@@ -171,6 +176,14 @@ def config_from_dict(d: dict | None, head_dim: int | None = None) -> KVQConfig:
                                   f"{', '.join(ROTATIONS)}")
             if rot != fmt.rotation:
                 fmt = fmt.with_rotation(rot)
+        wb = d.get("window_bits")
+        if wb is not None:
+            if isinstance(wb, bool) or wb not in WINDOW_BITS:
+                raise FormatError(f"kvq.window_bits={wb!r} is not allowed; allowed: "
+                                  f"{', '.join(map(str, WINDOW_BITS))} (bits per stored value "
+                                  f"of the residual window)")
+            if wb != fmt.window_bits:
+                fmt = fmt.with_window_bits(wb)
     except (FormatError, TypeError, ValueError) as e:
         raise FormatError(f"kvq.method={method!r}: {e}") from None
     p = d.get("outlier_fraction")

@@ -1,6 +1,7 @@
 """Cache formats: what a user names, validated, and its byte accounting.
 
-A format is a codec for keys, a codec for values and a full-precision residual window.
+A format is a codec for keys, a codec for values and a residual window of recent tokens
+(16 bits, or int8 with _w8).
 The byte layout of a page is NOT computed here: it comes from csrc/kvq_layout.h through
 the compiled extension (`layout()`), the one definition shared with the kernels.
 
@@ -29,7 +30,10 @@ Names (`parse_format`):
             order; nuq formats also take
             _lm before _rot/_rotv (calibration-free Lloyd-Max codebooks for Gaussian values,
             vllm_kvq.gaussian_codebook: meant with _rot, e.g. nuq3_lm_rot);
-            kivi also takes _k{G} (key token group) and _g{g} (value channel group)
+            kivi also takes _k{G} (key token group) and _g{g} (value channel group);
+            _w8 last (formats with a residual window): the window stored as int8 with a
+            float32 scale per token, K/V and kv head instead of 16 bits (half its memory;
+            vllm_kvq.residual.window_dtype has the measurement), e.g. kivi4_w8
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ from dataclasses import dataclass
 import torch  # noqa: F401  -- loads libc10 before the extension vllm_kvq._C
 
 from vllm_kvq.rotation import HEAD_SIZES as ROTATION_HEAD_SIZES
+from vllm_kvq.residual import WINDOW_BITS
 from vllm_kvq.rotation import ROTATIONS
 
 CODEBOOKS = ("calibrated", "gaussian")
@@ -187,10 +192,17 @@ class KVFormat:
     residual_tokens: int = 0
     rotation: str = "none"  # vllm_kvq.rotation.ROTATIONS
     codebook: str = "calibrated"  # CODEBOOKS: nuq levels from a calibration file or Lloyd-Max
+    window_bits: int = 16  # how the residual window stores a value: 16, or 8 (int8, _w8)
 
     def __post_init__(self):
         if self.residual_tokens < 0:
             raise FormatError(f"residual_tokens={self.residual_tokens} must be >= 0")
+        if self.window_bits not in WINDOW_BITS:
+            raise _allowed("window_bits", self.window_bits, WINDOW_BITS)
+        if self.window_bits != 16 and not self.residual_tokens:
+            raise FormatError(f"format {self.name!r}: window_bits={self.window_bits} needs a "
+                              f"residual window (residual_tokens > 0, e.g. kivi4_w8, "
+                              f"nuq3_w8, int4_group32_r32_w8)")
         if self.rotation not in ROTATIONS:
             raise _allowed("rotation", self.rotation, ROTATIONS)
         if self.codebook not in CODEBOOKS:
@@ -228,7 +240,8 @@ class KVFormat:
     def _name_flags(self) -> str:
         """The name's trailing flags (_lm, _rot / _rotv) that with_* keep at the end."""
         suffix = ""
-        for flag, on in (("_rot", self.rotation == "hadamard"),
+        for flag, on in (("_w8", self.window_bits == 8),
+                         ("_rot", self.rotation == "hadamard"),
                          ("_rotv", self.rotation == "hadamard_values"),
                          ("_lm", self.codebook == "gaussian")):
             if on and self.name[:len(self.name) - len(suffix)].endswith(flag):
@@ -253,8 +266,14 @@ class KVFormat:
         quantizing."""
         base = self.name[:len(self.name) - len(self._name_flags)]
         flags = ("_lm" if self.codebook == "gaussian" else "") + \
-            {"hadamard": "_rot", "hadamard_values": "_rotv"}.get(rotation, "")
+            {"hadamard": "_rot", "hadamard_values": "_rotv"}.get(rotation, "") + \
+            ("_w8" if self.window_bits == 8 else "")
         return dataclasses.replace(self, name=base + flags, rotation=rotation)
+
+    def with_window_bits(self, window_bits: int) -> "KVFormat":
+        """The same format with its residual window stored in `window_bits` (16 or 8)."""
+        name = self.name.removesuffix("_w8") + ("_w8" if window_bits == 8 else "")
+        return dataclasses.replace(self, name=name, window_bits=window_bits)
 
     def check(self, head_dim: int, block_size: int) -> None:
         if head_dim not in SUPPORTED_HEAD_SIZES:
@@ -301,23 +320,26 @@ class KVFormat:
     def ratio_vs_bf16(self, head_dim: int, block_size: int) -> float:
         return 4 * head_dim / self.layout(head_dim, block_size).token_bytes
 
-    def residual_bytes_per_seq(self, num_layers: int, num_kv_heads: int, head_dim: int,
-                               elem_bytes: int = 2) -> int:
-        """Full-precision window bytes per running sequence (the rows it needs; the pool blocks
-        holding them are window_blocks_per_seq)."""
+    def residual_bytes_per_seq(self, num_layers: int, num_kv_heads: int, head_dim: int) -> int:
+        """Window bytes per running sequence (the rows it needs, in window_bits; the pool
+        blocks holding them are window_blocks_per_seq)."""
         from vllm_kvq import _C
         return num_layers * _C.residual_bytes_per_seq_layer(
-            num_kv_heads, head_dim, self.residual_tokens, elem_bytes)
+            num_kv_heads, head_dim, self.residual_tokens, self.window_bits)
 
-    def window_rows_per_block(self, head_dim: int, block_size: int,
-                              elem_bytes: int = 2) -> int:
+    def window_rows_per_block(self, head_dim: int, block_size: int) -> int:
         """Window rows (one token's K and V) one pool block holds (vllm_kvq.window_cache)."""
         from vllm_kvq import _C
         return _C.window_rows_per_block(self.layout(head_dim, block_size).token_bytes,
-                                        block_size, head_dim, elem_bytes)
+                                        block_size, head_dim, self.window_bits)
 
-    def window_blocks_per_seq(self, head_dim: int, block_size: int,
-                              elem_bytes: int = 2, lookback: int = 0) -> int:
+    def window_value_row_bytes(self, head_dim: int) -> int:
+        """Bytes of one (token, K or V, kv head) row of the window: head_dim values in 16
+        bits, or head_dim int8 codes and a float32 scale."""
+        from vllm_kvq import _C
+        return _C.window_value_row_bytes(head_dim, self.window_bits)
+
+    def window_blocks_per_seq(self, head_dim: int, block_size: int, lookback: int = 0) -> int:
         """Pool blocks a running sequence's window takes (0 without a window); lookback:
         speculative draft tokens per step, which the window's ring also holds
         (vllm_kvq.residual.window_rows)."""
@@ -326,13 +348,16 @@ class KVFormat:
 
         rows = window_rows(self.residual_tokens, lookback) if self.residual_tokens else 0
         return _C.window_blocks_per_seq(self.layout(head_dim, block_size).token_bytes,
-                                        block_size, head_dim, rows, elem_bytes)
+                                        block_size, head_dim, rows, self.window_bits)
 
     def with_residual(self, residual_tokens: int) -> "KVFormat":
-        suffix = self._name_flags
-        name = re.sub(r"_r\d+$", "", self.name[:len(self.name) - len(suffix)])
+        """The same format with `residual_tokens` recent tokens in the window (0: none, and
+        then no _w8 either)."""
+        fmt = self if residual_tokens or self.window_bits == 16 else self.with_window_bits(16)
+        suffix = fmt._name_flags
+        name = re.sub(r"_r\d+$", "", fmt.name[:len(fmt.name) - len(suffix)])
         name = f"{name}_r{residual_tokens}" if residual_tokens else name
-        return dataclasses.replace(self, name=name + suffix, residual_tokens=residual_tokens)
+        return dataclasses.replace(fmt, name=name + suffix, residual_tokens=residual_tokens)
 
 
 # --- names ------------------------------------------------------------------------------
@@ -385,14 +410,27 @@ def parse_format(name: str) -> KVFormat:
     """A format from its name; raises FormatError naming what is allowed."""
     if not isinstance(name, str):
         raise FormatError(f"format name must be a string, got {name!r}")
+    if name.endswith("_w8"):
+        base = parse_format(name[:-len("_w8")])
+        if base.window_bits != 16:
+            raise FormatError(f"format {name!r}: _w8 once, at the end")
+        if not base.residual_tokens:
+            raise FormatError(f"format {name!r}: _w8 stores the residual window in 8 bits, and "
+                              f"{base.name!r} has none; e.g. kivi4_w8, nuq3_w8, "
+                              f"int4_group32_r32_w8")
+        return dataclasses.replace(base, name=name, window_bits=8)
     for suffix, rot in (("_rot", "hadamard"), ("_rotv", "hadamard_values")):
         if name.endswith(suffix):
             base = parse_format(name[:-len(suffix)])
+            if base.window_bits != 16:
+                raise FormatError(f"format {name!r}: _w8 goes last (e.g. kivi2_rot_w8)")
             if base.rotation != "none":
                 raise FormatError(f"format {name!r}: one rotation suffix (_rot or _rotv), once")
             return dataclasses.replace(base, name=name, rotation=rot)
     if name.endswith("_lm"):
         base = parse_format(name[:-len("_lm")])
+        if base.window_bits != 16:
+            raise FormatError(f"format {name!r}: _w8 goes last (e.g. nuq3_lm_rot_w8)")
         if base.codebook != "calibrated" or base.rotation != "none":
             raise FormatError(f"format {name!r}: the suffixes go _lm then _rot, once each")
         return KVFormat(name, base.key, base.value, base.residual_tokens, codebook="gaussian")
@@ -433,6 +471,7 @@ def parse_format(name: str) -> KVFormat:
         f"[_sym][_o<N>][_r<R>], nuq{{2,3,4}}[_{{token|group<g>|channel<G>}}][_o<N>][_r<R>], "
         f"kivi{{2,4}}[_k<G>][_g<g>][_r<R>], each optionally ending in _rot (Hadamard "
         f"rotation of keys and values) or _rotv (of values only); nuq: _lm_rot for "
-        f"calibration-free codebooks — e.g. "
+        f"calibration-free codebooks; with a residual window, _w8 last stores it in 8 bits — "
+        f"e.g. "
         f"{', '.join(EXAMPLE_NAMES)}, nuq3, int4_token_o1, nuq3_group32_o1, int4_group32_rot, "
-        f"nuq3_lm_rot")
+        f"nuq3_lm_rot, kivi4_w8")

@@ -171,19 +171,43 @@ def window_rows(residual_tokens: int, lookback: int = 0) -> int:
     return residual_tokens + lookback
 
 
-WINDOW_BYTES = 2  # bytes per stored value of the window, whatever the model's dtype
+WINDOW_BITS = (16, 8)  # how a window value may be stored: csrc/kvq_layout.h window_bits_ok
 
 
-def window_dtype(model_dtype: torch.dtype) -> torch.dtype:
-    """The window's 16-bit dtype: the model's own when it is 16-bit, else bf16 (the range of
-    float32). Tokens are quantized from these values once their chunk is complete; measured
-    against a float32 window this moves no quality figure beyond noise (see the e2e tests).
-    Not 8 bits: measured (SmolLM2, fp32 model, 4 x 1024 tokens vs bf16, the window rounded
-    as if stored in 8 bits: tools/faults.py window_int8 / window_fp8) kivi2's KL 0.0829 ->
-    0.0856 (int8, one scale per token and head) / 0.0808 (fp8 e4m3), within its noise, but
-    kivi4's 0.00185 -> 0.00227 (+23%) / 0.00601 (x3.2): the window is what keeps the recent
-    tokens exact, and at 4 bits an 8-bit window costs more than the bytes it saves."""
+def window_dtype(model_dtype: torch.dtype, window_bits: int = 16) -> torch.dtype:
+    """The window pool's element dtype. 16 bits: the model's own dtype when it is 16-bit, else
+    bf16 (the range of float32); tokens are quantized from these values once their chunk is
+    complete, and measured against a float32 window this moves no quality figure beyond
+    noise (see the e2e tests). 8 bits (the `_w8` formats): uint8 rows of int8 codes and a
+    float32 scale per (token, K or V, kv head), half the window's memory. Measured through
+    the engine (SmolLM2, bf16 model, 8 x 1024 held-out tokens vs our bf16 cache; the
+    `_w8` report in reports/window-int8): kivi4 +0.10% ppl either way, kivi2 +15.2% vs
+    +15.1%; an fp8 e4m3 window (unscaled) tripled kivi4's KL, so int8 it is."""
+    if window_bits == 8:
+        return torch.uint8
     return model_dtype if model_dtype in (torch.float16, torch.bfloat16) else torch.bfloat16
+
+
+def quantize_window_rows(x: torch.Tensor) -> torch.Tensor:
+    """[..., D] -> [..., D + 4] uint8: int8 codes round(x / s) and the float32 scale
+    s = max|x| / 127 (1 for an all-zero row) of every row; a non-finite max stores codes 0
+    and the scale as it is (the row reads back as NaN). The reference of the extension's
+    8-bit window rows (csrc/cpu/window_stage.cpp)."""
+    xf = x.float()
+    s = xf.abs().amax(-1, keepdim=True)  # NaN propagates
+    s = s / 127
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    codes = torch.where(torch.isfinite(s), (xf / s).round().clamp(-127, 127),
+                        torch.zeros_like(xf)).to(torch.int8)
+    return torch.cat([codes.view(torch.uint8), s.view(torch.uint8)], -1)
+
+
+def dequantize_window_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """quantize_window_rows' [..., D + 4] uint8 rows -> [..., D] values of `dtype`."""
+    D = rows.shape[-1] - 4
+    codes = rows[..., :D].contiguous().view(torch.int8).float()
+    s = rows[..., D:].contiguous().view(torch.float32)
+    return (codes * s).to(dtype)
 
 
 def plan_tensors(plan: StepPlan, device) -> dict:
@@ -243,16 +267,29 @@ def stage_and_write_torch(md, key: torch.Tensor, value: torch.Tensor, pool: torc
     """stage_and_write in torch indexing ops (any device)."""
     H, D = key.shape[1:]
     (g_blk, g_row), (k_blk, k_row) = addresses
-    st = torch.empty(2, md.plan.num_staging, H, D, dtype=key.dtype, device=key.device)
-    rows = md.pool_gather[0]
-    if rows.numel():
-        st[:, rows] = pool[g_blk, g_row].transpose(0, 1).to(st.dtype)
-    rows, tok = md.new_gather
-    st[0, rows] = key[tok]
-    st[1, rows] = value[tok]
+    if pool.dtype == torch.uint8:  # an 8-bit window: staged in its bytes, then decoded
+        rows_q = torch.zeros(2, md.plan.num_staging, H, pool.shape[-1], dtype=torch.uint8,
+                             device=key.device)
+        rows = md.pool_gather[0]
+        if rows.numel():
+            rows_q[:, rows] = pool[g_blk, g_row].transpose(0, 1)
+        rows, tok = md.new_gather
+        rows_q[0, rows] = quantize_window_rows(key[tok])
+        rows_q[1, rows] = quantize_window_rows(value[tok])
+        st = dequantize_window_rows(rows_q, key.dtype)
+        stored = rows_q
+    else:
+        st = torch.empty(2, md.plan.num_staging, H, D, dtype=key.dtype, device=key.device)
+        rows = md.pool_gather[0]
+        if rows.numel():
+            st[:, rows] = pool[g_blk, g_row].transpose(0, 1).to(st.dtype)
+        rows, tok = md.new_gather
+        st[0, rows] = key[tok]
+        st[1, rows] = value[tok]
+        stored = st
     if md.final_rows.numel():
         write(st[0, md.final_rows], st[1, md.final_rows], md.final_slots)
     rows = md.keep[0]
     if rows.numel():
-        pool[k_blk, k_row] = st[:, rows].transpose(0, 1).to(pool.dtype)
+        pool[k_blk, k_row] = stored[:, rows].transpose(0, 1).to(pool.dtype)
     return st[0], st[1]

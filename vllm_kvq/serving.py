@@ -76,14 +76,13 @@ def kv_summary(vllm_config) -> dict[str, Any]:
     }
     if uses_kvq(vllm_config):
         from vllm_kvq.config import config_from_vllm, speculative_tokens
-        from vllm_kvq.residual import WINDOW_BYTES
 
         cfg = config_from_vllm(vllm_config)
         fmt = cfg.fmt
         per_head = fmt.bytes_per_token(head_dim, block_size)
-        # A running sequence's window (16-bit whatever the model's dtype) takes whole blocks
-        # of the pool (vllm_kvq.window_cache), only while it runs.
-        window_blocks = fmt.window_blocks_per_seq(head_dim, block_size, WINDOW_BYTES,
+        # A running sequence's window (16-bit whatever the model's dtype, or int8 with _w8)
+        # takes whole blocks of the pool (vllm_kvq.window_cache), only while it runs.
+        window_blocks = fmt.window_blocks_per_seq(head_dim, block_size,
                                                   lookback=speculative_tokens(vllm_config))
         window_per_seq = window_blocks * block_size * per_head["total"] * layers * heads
         out.update({
@@ -94,8 +93,8 @@ def kv_summary(vllm_config) -> dict[str, Any]:
             "bytes_per_token": per_head["total"] * layers * heads,
             "ratio_vs_bf16": fmt.ratio_vs_bf16(head_dim, block_size),
             "residual_tokens": fmt.residual_tokens,
-            "residual_bytes_per_seq": fmt.residual_bytes_per_seq(layers, heads, head_dim,
-                                                                 WINDOW_BYTES),
+            "residual_bytes_per_seq": fmt.residual_bytes_per_seq(layers, heads, head_dim),
+            "window_bits": fmt.window_bits,
             "window_blocks_per_seq": window_blocks,
             "window_bytes_per_seq": window_per_seq,
             # if every sequence slot ran at once; memory follows the sequences that run

@@ -9,7 +9,8 @@ a cache hit ends on a block boundary, where the window is empty.
 
 The window's pages have the quantized pages' size (same block size, same bytes per token:
 vLLM needs one page size for both groups); their bytes are read as window rows
-[rows_per_block, 2, H, D] in 16 bits (csrc/kvq_layout.h window_rows_per_block).
+[rows_per_block, 2, H, D] in 16 bits, or [rows_per_block, 2, H, D + 4] uint8 for an 8-bit
+window (`_w8`: int8 codes and a float32 scale; csrc/kvq_layout.h window_value_row_bytes).
 vllm_kvq.residual plans which rows each step reads and writes.
 """
 from __future__ import annotations
@@ -146,7 +147,8 @@ class KVQWindowLayer(nn.Module, AttentionLayerBase):
         self.num_kv_heads, self.head_size = num_kv_heads, head_size
         self.window_dtype = window_dtype
         self.kv_cache = torch.tensor([])
-        self.rows: torch.Tensor | None = None  # [num_blocks, rows_per_block, 2, H, D]
+        # [num_blocks, rows_per_block, 2, H, D] 16-bit, or [..., D + 4] uint8 (8-bit window)
+        self.rows: torch.Tensor | None = None
         self.rows_per_block = 0
 
     def get_attn_backend(self) -> type[AttentionBackend]:
@@ -154,16 +156,12 @@ class KVQWindowLayer(nn.Module, AttentionLayerBase):
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVQWindowSpec:
         # the block size is read now, as vLLM's own layers do: it may change after loading
-        B, D, elem = vllm_config.cache_config.block_size, self.head_size, self.elem_bytes
+        B, D = vllm_config.cache_config.block_size, self.head_size
         return KVQWindowSpec(block_size=B, num_kv_heads=self.num_kv_heads, head_size=D,
                              dtype=torch.uint8,
                              state_content_bytes=self.fmt.layout(D, B).token_bytes,
                              window_blocks=self.fmt.window_blocks_per_seq(
-                                 D, B, elem, lookback=speculative_tokens(vllm_config)))
-
-    @property
-    def elem_bytes(self) -> int:
-        return self.window_dtype.itemsize
+                                 D, B, lookback=speculative_tokens(vllm_config)))
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         """kv_cache: this layer's view [num_blocks, H, B, C] (uint8) of the pool; each block's
@@ -174,7 +172,9 @@ class KVQWindowLayer(nn.Module, AttentionLayerBase):
             raise ValueError("vllm-kvq: a window block's page must be one dense span "
                              f"(got strides {kv_cache.stride()})")
         D = self.head_size
-        rows = self.rows_per_block = self.fmt.window_rows_per_block(D, B, self.elem_bytes)
-        row_bytes = 2 * H * D * self.elem_bytes
-        flat = torch.as_strided(kv_cache, (nb, rows * row_bytes), (kv_cache.stride(0), 1))
-        self.rows = flat.view(self.window_dtype).view(nb, rows, 2, H, D)
+        rows = self.rows_per_block = self.fmt.window_rows_per_block(D, B)
+        value_row = self.fmt.window_value_row_bytes(D)  # one (K or V, head) row, in bytes
+        flat = torch.as_strided(kv_cache, (nb, rows * 2 * H * value_row),
+                                (kv_cache.stride(0), 1))
+        elem = self.window_dtype.itemsize
+        self.rows = flat.view(self.window_dtype).view(nb, rows, 2, H, value_row // elem)

@@ -7,14 +7,22 @@
 //   rows gather_rows[i] <- window row (gather_blk[i], gather_row[i]) of pool (K and V),
 //   rows new_rows[i]    <- key[new_tok[i]] / value[new_tok[i]];
 // then window row (keep_blk[i], keep_row[i]) <- staging row keep_rows[i] (K and V).
-// pool: [num_blocks, rows_per_block, 2, H, D], 16 bits, any strides of its two first dims
-// with each (K or V) row of H * D values contiguous. Conversions round like torch's .to().
+// pool: [num_blocks, rows_per_block, 2, H, D], 16 bits, or for an 8-bit window (_w8)
+// [num_blocks, rows_per_block, 2, H, D + 4] uint8: per (token, K or V, head) D int8 codes
+// and a float32 scale (csrc/kvq_layout.h window_value_row_bytes); any strides of its two
+// first dims with each (K or V) row contiguous. Conversions round like torch's .to().
+// With an 8-bit pool every staging row holds what the pool holds: new tokens are rounded
+// to int8 as they are staged (the step's own tokens too, so that a prefill chunk sees what
+// decode steps see), and a kept row stores the same codes, not a requantization.
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "cpu_ops.h"
+#include "kvq_layout.h"
 
 namespace kvq_cpu {
 namespace {
@@ -83,10 +91,122 @@ void stage_typed(at::Tensor& staging, const at::Tensor& key, const at::Tensor& v
   }
 }
 
+// ---- 8-bit window rows --------------------------------------------------------------
+// One (K or V, head) row: D int8 codes, then the float32 scale s = max|x| / 127 (1 for an
+// all-zero row). A non-finite max stores codes 0 and the scale as it is, so the row reads
+// back as NaN (vllm_kvq/residual.py quantize_window_rows is the reference).
+template <class TS>
+void quantize_row_i8(const TS* x, int64_t D, uint8_t* out) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < D; ++i) {
+    const float a = std::fabs(static_cast<float>(x[i]));
+    amax = (a > amax || a != a) ? a : amax;  // NaN sticks
+  }
+  float s = amax / 127.f;
+  if (s == 0.f) s = 1.f;
+  int8_t* codes = reinterpret_cast<int8_t*>(out);
+  if (std::isfinite(s)) {
+    for (int64_t i = 0; i < D; ++i) {
+      const float c = std::nearbyint(static_cast<float>(x[i]) / s);  // half to even
+      codes[i] = (int8_t)(c > 127.f ? 127.f : c < -127.f ? -127.f : c);
+    }
+  } else {
+    std::memset(codes, 0, (size_t)D);
+  }
+  std::memcpy(out + D, &s, sizeof s);
+}
+
+// One K or V row (H segments of D codes + a float32 scale) to bf16 with c10's round to
+// nearest even, as branch-free integer steps that vectorize (c10's constructor does not);
+// cloned for AVX-512 and AVX2, the same exact arithmetic on every path (one float product
+// per value, then integer rounding). A non-finite scale makes its segment NaN, stored as
+// c10 (and torch's .to()) stores NaN.
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+void dequantize_row_i8_bf16(const uint8_t* in, int64_t H, int64_t D, uint16_t* out) {
+  for (int64_t h = 0; h < H; ++h, in += D + kvq::kWindowScaleBytes, out += D) {
+    float s;
+    std::memcpy(&s, in + D, sizeof s);
+    const int8_t* codes = reinterpret_cast<const int8_t*>(in);
+    if (!std::isfinite(s)) {
+      for (int64_t i = 0; i < D; ++i) out[i] = 0x7fc0;
+      continue;
+    }
+    for (int64_t i = 0; i < D; ++i) {
+      const float f = static_cast<float>(codes[i]) * s;
+      uint32_t u;
+      std::memcpy(&u, &f, sizeof u);
+      out[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    }
+  }
+}
+
+// One K or V row of H segments into H * D values of the staging dtype.
+template <class TS>
+void dequantize_row_i8(const uint8_t* in, int64_t H, int64_t D, TS* y) {
+  if constexpr (std::is_same_v<TS, c10::BFloat16>) {
+    dequantize_row_i8_bf16(in, H, D, reinterpret_cast<uint16_t*>(y));
+  } else {
+    for (int64_t h = 0; h < H; ++h, in += D + kvq::kWindowScaleBytes, y += D) {
+      float s;
+      std::memcpy(&s, in + D, sizeof s);
+      const int8_t* codes = reinterpret_cast<const int8_t*>(in);
+      for (int64_t i = 0; i < D; ++i) y[i] = static_cast<TS>(static_cast<float>(codes[i]) * s);
+    }
+  }
+}
+
+template <class TS>
+void stage_int8(at::Tensor& staging, const at::Tensor& key, const at::Tensor& value,
+                at::Tensor& pool, const RowPlan& p) {
+  const int64_t Ns = staging.size(1), H = staging.size(2), D = staging.size(3);
+  const int64_t E = H * D, RB = D + kvq::kWindowScaleBytes, P = H * RB;  // P: one K/V row
+  TS* st = staging.data_ptr<TS>();
+  const int64_t plane = staging.stride(0);
+  uint8_t* pl = pool.data_ptr<uint8_t>();
+  const int64_t pb = pool.stride(0), pr = pool.stride(1), pkv = pool.stride(2);
+  // the pool bytes of the staging rows this step keeps (K row then V row), filled as those
+  // rows are staged
+  std::vector<int64_t> slot_of(Ns, -1);
+  for (int64_t i = 0; i < p.nk; ++i) slot_of[p.k_rows[i]] = i;
+  std::vector<uint8_t> kept((size_t)(p.nk * 2 * P));
+  for (int64_t i = 0; i < p.ng; ++i) {
+    const int64_t r = p.g_rows[i];
+    const uint8_t* src = pl + p.g_blk[i] * pb + p.g_row[i] * pr;
+    for (int64_t kv = 0; kv < 2; ++kv)
+      dequantize_row_i8(src + kv * pkv, H, D, st + kv * plane + r * E);
+    if (slot_of[r] >= 0) {
+      std::memcpy(kept.data() + slot_of[r] * 2 * P, src, (size_t)P);
+      std::memcpy(kept.data() + slot_of[r] * 2 * P + P, src + pkv, (size_t)P);
+    }
+  }
+  std::vector<uint8_t> row((size_t)(2 * P));
+  const TS* kd = key.data_ptr<TS>();
+  const TS* vd = value.data_ptr<TS>();
+  for (int64_t i = 0; i < p.nn; ++i) {
+    const int64_t r = p.n_rows[i], t = p.n_tok[i];
+    for (int64_t h = 0; h < H; ++h) {
+      quantize_row_i8(kd + t * key.stride(0) + h * key.stride(1), D, row.data() + h * RB);
+      quantize_row_i8(vd + t * value.stride(0) + h * value.stride(1), D,
+                      row.data() + P + h * RB);
+    }
+    for (int64_t kv = 0; kv < 2; ++kv)
+      dequantize_row_i8(row.data() + kv * P, H, D, st + kv * plane + r * E);
+    if (slot_of[r] >= 0) std::memcpy(kept.data() + slot_of[r] * 2 * P, row.data(), (size_t)(2 * P));
+  }
+  for (int64_t i = 0; i < p.nk; ++i) {
+    const uint8_t* src = kept.data() + slot_of[p.k_rows[i]] * 2 * P;
+    uint8_t* dst = pl + p.k_blk[i] * pb + p.k_row[i] * pr;
+    std::memcpy(dst, src, (size_t)P);
+    std::memcpy(dst + pkv, src + P, (size_t)P);
+  }
+}
+
 template <class TS>
 void stage_for_pool(at::Tensor& staging, const at::Tensor& key, const at::Tensor& value,
                     at::Tensor& pool, const RowPlan& p) {
-  if (pool.scalar_type() == at::kBFloat16)
+  if (pool.scalar_type() == at::kByte)
+    stage_int8<TS>(staging, key, value, pool, p);
+  else if (pool.scalar_type() == at::kBFloat16)
     stage_typed<TS, c10::BFloat16>(staging, key, value, pool, p);
   else
     stage_typed<TS, c10::Half>(staging, key, value, pool, p);
@@ -113,12 +233,16 @@ void stage_window(at::Tensor& staging, const at::Tensor& key, const at::Tensor& 
   TORCH_CHECK(key.scalar_type() == staging.scalar_type() &&
                   value.scalar_type() == staging.scalar_type(),
               "key/value must have staging's dtype ", staging.scalar_type());
-  TORCH_CHECK(pool.dim() == 5 && pool.size(2) == 2 && pool.size(3) == H && pool.size(4) == D &&
-                  pool.stride(4) == 1 && pool.stride(3) == D,
-              "pool must be [num_blocks, rows_per_block, 2, ", H, ", ", D,
+  TORCH_CHECK(pool.scalar_type() == at::kBFloat16 || pool.scalar_type() == at::kHalf ||
+                  pool.scalar_type() == at::kByte,
+              "pool must be bfloat16 or float16 (a 16-bit window) or uint8 (an 8-bit one), got ",
+              pool.scalar_type());
+  const int64_t row = pool.scalar_type() == at::kByte
+                          ? kvq::window_value_row_bytes((int32_t)D, 8) : D;
+  TORCH_CHECK(pool.dim() == 5 && pool.size(2) == 2 && pool.size(3) == H &&
+                  pool.size(4) == row && pool.stride(4) == 1 && pool.stride(3) == row,
+              "pool must be [num_blocks, rows_per_block, 2, ", H, ", ", row,
                "] with contiguous rows, got ", pool.sizes(), " strides ", pool.strides());
-  TORCH_CHECK(pool.scalar_type() == at::kBFloat16 || pool.scalar_type() == at::kHalf,
-              "pool must be bfloat16 or float16, got ", pool.scalar_type());
   RowPlan p;
   p.ng = gather_rows.numel(), p.nn = new_rows.numel(), p.nk = keep_rows.numel();
   p.g_rows = index_data(gather_rows, "gather_rows");

@@ -36,6 +36,7 @@ py::dict make_layout(const std::vector<int64_t>& k, const std::vector<int64_t>& 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("make_layout", &make_layout);
+  m.def("window_value_row_bytes", &kvq::window_value_row_bytes);
   m.def("residual_bytes_per_seq_layer", &kvq::residual_bytes_per_seq_layer);
   m.def("window_rows_per_block", &kvq::window_rows_per_block);
   m.def("window_blocks_per_seq", &kvq::window_blocks_per_seq);

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from vllm_kvq.residual import WINDOW_BYTES
 from vllm_kvq.tools.compare.plan import base_method
 from vllm_kvq.tools.evaluate import VLLM_PEERS
 
@@ -39,12 +38,12 @@ def memory_row(method: str, dims: dict, dtype: str, block_size: int = 128) -> di
         fmt = config_from_dict({"method": m}).fmt
         lay = fmt.layout(D, block_size)
         per_head = lay.token_bytes
+        recent = "int8" if fmt.window_bits == 8 else "fp"
         desc = f"K {fmt.key.describe()}, V {fmt.value.describe()}" + (
-            f", {fmt.residual_tokens} recent fp" if fmt.residual_tokens else "")
-        residual = fmt.residual_bytes_per_seq(L, H, D, WINDOW_BYTES)  # 16-bit window
+            f", {fmt.residual_tokens} recent {recent}" if fmt.residual_tokens else "")
+        residual = fmt.residual_bytes_per_seq(L, H, D)
         # the pool blocks holding it while the sequence runs (vllm_kvq.window_cache)
-        window = (fmt.window_blocks_per_seq(D, block_size, WINDOW_BYTES) * block_size
-                  * per_head * L * H)
+        window = fmt.window_blocks_per_seq(D, block_size) * block_size * per_head * L * H
         fields = {k: v / block_size for k, v in lay.fields().items() if v}
     return {"format": desc, "bytes_per_token_head": per_head,
             "bytes_per_token_model": per_head * L * H, "bits_per_value": per_head * 8 / (2 * D),
