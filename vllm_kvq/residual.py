@@ -189,7 +189,7 @@ def window_dtype(model_dtype: torch.dtype, window_bits: int = 16) -> torch.dtype
 
 
 def quantize_window_rows(x: torch.Tensor) -> torch.Tensor:
-    """[..., D] -> [..., D + 4] uint8: int8 codes round(x / s) and the float32 scale
+    """[..., D] -> [..., D + 4] uint8: int8 codes round(x * (1 / s)) and the float32 scale
     s = max|x| / 127 (1 for an all-zero row) of every row; a non-finite max stores codes 0
     and the scale as it is (the row reads back as NaN). The reference of the extension's
     8-bit window rows (csrc/cpu/window_stage.cpp)."""
@@ -197,7 +197,7 @@ def quantize_window_rows(x: torch.Tensor) -> torch.Tensor:
     s = xf.abs().amax(-1, keepdim=True)  # NaN propagates
     s = s / 127
     s = torch.where(s == 0, torch.ones_like(s), s)
-    codes = torch.where(torch.isfinite(s), (xf / s).round().clamp(-127, 127),
+    codes = torch.where(torch.isfinite(s), (xf * (1 / s)).round().clamp(-127, 127),
                         torch.zeros_like(xf)).to(torch.int8)
     return torch.cat([codes.view(torch.uint8), s.view(torch.uint8)], -1)
 

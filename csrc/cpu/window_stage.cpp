@@ -92,28 +92,60 @@ void stage_typed(at::Tensor& staging, const at::Tensor& key, const at::Tensor& v
 }
 
 // ---- 8-bit window rows --------------------------------------------------------------
-// One (K or V, head) row: D int8 codes, then the float32 scale s = max|x| / 127 (1 for an
-// all-zero row). A non-finite max stores codes 0 and the scale as it is, so the row reads
+// One (K or V, head) row: D int8 codes round(x * (1 / s)), then the float32 scale
+// s = max|x| / 127 (1 for an all-zero row). A non-finite max stores codes 0 and the scale as it is, so the row reads
 // back as NaN (vllm_kvq/residual.py quantize_window_rows is the reference).
-template <class TS>
-void quantize_row_i8(const TS* x, int64_t D, uint8_t* out) {
-  float amax = 0.f;
+// Written to vectorize (cloned for AVX-512 and AVX2, the same exact arithmetic on every
+// path; a prefill chunk quantizes every token): max|x| as an integer max of the bits with
+// the sign cleared (ordered like the floats; above 0x7f800000 is NaN), x * (1 / s) rounded
+// half to even by adding and subtracting 1.5 * 2^23 (exact for |x / s| <= 2^22).
+__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
+void quantize_f32_row_i8(const float* x, int64_t D, uint8_t* out) {
+  uint32_t amax_bits = 0;
   for (int64_t i = 0; i < D; ++i) {
-    const float a = std::fabs(static_cast<float>(x[i]));
-    amax = (a > amax || a != a) ? a : amax;  // NaN sticks
+    uint32_t u;
+    std::memcpy(&u, x + i, sizeof u);
+    u &= 0x7fffffffu;
+    amax_bits = u > amax_bits ? u : amax_bits;
   }
+  float amax;
+  std::memcpy(&amax, &amax_bits, sizeof amax);
   float s = amax / 127.f;
   if (s == 0.f) s = 1.f;
   int8_t* codes = reinterpret_cast<int8_t*>(out);
   if (std::isfinite(s)) {
+    constexpr float kRound = 12582912.f;  // 1.5 * 2^23
+    const float inv = 1.f / s;
     for (int64_t i = 0; i < D; ++i) {
-      const float c = std::nearbyint(static_cast<float>(x[i]) / s);  // half to even
-      codes[i] = (int8_t)(c > 127.f ? 127.f : c < -127.f ? -127.f : c);
+      float c = (x[i] * inv + kRound) - kRound;
+      c = c > 127.f ? 127.f : c;
+      c = c < -127.f ? -127.f : c;
+      codes[i] = (int8_t)(int32_t)c;
     }
   } else {
     std::memset(codes, 0, (size_t)D);
   }
   std::memcpy(out + D, &s, sizeof s);
+}
+
+template <class TS>
+void quantize_row_i8(const TS* x, int64_t D, uint8_t* out) {
+  if constexpr (std::is_same_v<TS, float>) {
+    quantize_f32_row_i8(x, D, out);
+  } else {
+    float buf[512];  // head_dim <= 256 (formats.SUPPORTED_HEAD_SIZES)
+    TORCH_CHECK(D <= 512, "head_dim ", D, " is too large for the 8-bit window");
+    if constexpr (std::is_same_v<TS, c10::BFloat16>) {
+      const uint16_t* b = reinterpret_cast<const uint16_t*>(x);
+      for (int64_t i = 0; i < D; ++i) {  // bf16 -> float is a shift (NaN stays NaN)
+        const uint32_t u = (uint32_t)b[i] << 16;
+        std::memcpy(buf + i, &u, sizeof u);
+      }
+    } else {
+      for (int64_t i = 0; i < D; ++i) buf[i] = static_cast<float>(x[i]);
+    }
+    quantize_f32_row_i8(buf, D, out);
+  }
 }
 
 // One K or V row (H segments of D codes + a float32 scale) to bf16 with c10's round to
