@@ -307,10 +307,16 @@ def _int8_pages(nb, rpb, seed=1):
     return pages, pages[:, :q.shape[1]].view(nb, rpb, 2, H, D + 4)
 
 
+@pytest.mark.parametrize("path", ["scalar", "avx2", "avx512"])
 @pytest.mark.parametrize("key_dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_stage_window_op_matches_torch_indexing_int8_window(key_dtype):
-    """An 8-bit window (_w8): the extension and the torch reference stage the same values
-    and keep the same bytes (codes and scales), gathered rows and new tokens alike."""
+def test_stage_window_op_matches_torch_indexing_int8_window(key_dtype, path, monkeypatch):
+    """An 8-bit window (_w8): the extension (on each SIMD path its row codecs are compiled
+    for) and the torch reference stage the same values and keep the same bytes (codes and
+    scales), gathered rows and new tokens alike."""
+    from vllm_kvq import ops
+    monkeypatch.setenv("KVQ_SIMD", path)
+    if ops.simd_path() != path:
+        pytest.skip(f"this CPU has no {path} path")
     md, key, value, _, _, addresses = _random_window_step(key_dtype, torch.bfloat16)
     pages, pool = _int8_pages(6, 5)
     pages_t = pages.clone()
@@ -363,3 +369,17 @@ def test_int8_window_rows_zero_and_non_finite():
     back = dequantize_window_rows(q, torch.float32)
     assert torch.equal(back[0], torch.zeros(D))  # scale 1, codes 0
     assert back[1].isnan().all()  # a non-finite row reads back as NaN, never as numbers
+    # the extension the same way: a key row with an inf stages as NaN, its other heads and
+    # the zero value rows as they are
+    key = torch.zeros(1, H, D, dtype=torch.bfloat16)
+    key[0, 1, 3] = float("inf")
+    key[0, 0] = 1.0
+    empty = torch.tensor([], dtype=torch.int64)
+    md = SimpleNamespace(plan=SimpleNamespace(num_staging=1), pool_gather=(empty,),
+                         new_gather=(torch.tensor([0]), torch.tensor([0])), keep=(empty,),
+                         final_rows=empty, final_slots=empty)
+    pool = torch.zeros(1, 1, 2, H, D + 4, dtype=torch.uint8)
+    st_k, st_v = stage_and_write(md, key, torch.zeros_like(key), pool,
+                                 ((empty, empty), (empty, empty)), None)
+    assert st_k[0, 1].isnan().all() and torch.equal(st_k[0, 0], key[0, 0])
+    assert torch.equal(st_v, torch.zeros_like(st_v))

@@ -23,6 +23,7 @@
 
 #include "cpu_ops.h"
 #include "kvq_layout.h"
+#include "op_checks.h"
 
 namespace kvq_cpu {
 namespace {
@@ -92,46 +93,43 @@ void stage_typed(at::Tensor& staging, const at::Tensor& key, const at::Tensor& v
 }
 
 // ---- 8-bit window rows --------------------------------------------------------------
-// One (K or V, head) row: D int8 codes round(x * (1 / s)), then the float32 scale
-// s = max|x| / 127 (1 for an all-zero row). A non-finite max stores codes 0 and the scale as it is, so the row reads
-// back as NaN (vllm_kvq/residual.py quantize_window_rows is the reference).
-// Written to vectorize (cloned for AVX-512 and AVX2, the same exact arithmetic on every
-// path; a prefill chunk quantizes every token): max|x| as an integer max of the bits with
-// the sign cleared (ordered like the floats; above 0x7f800000 is NaN), x * (1 / s) rounded
-// half to even by adding and subtracting 1.5 * 2^23 (exact for |x / s| <= 2^22).
-__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-void quantize_f32_row_i8(const float* x, int64_t D, uint8_t* out) {
-  uint32_t amax_bits = 0;
-  for (int64_t i = 0; i < D; ++i) {
-    uint32_t u;
-    std::memcpy(&u, x + i, sizeof u);
-    u &= 0x7fffffffu;
-    amax_bits = u > amax_bits ? u : amax_bits;
+// One (K or V, head) row: D int8 codes and a float32 scale (window_rows_body.h, compiled
+// for each SIMD path; simd_level() picks one per call, KVQ_SIMD lowers it like the other
+// ops). A prefill chunk quantizes every token, so the loops are written to vectorize.
+constexpr int64_t kWindowScaleBytes = kvq::kWindowScaleBytes;
+namespace rows_scalar {
+#include "window_rows_body.h"
+}  // namespace rows_scalar
+#pragma GCC push_options
+#pragma GCC target("avx2")
+namespace rows_avx2 {
+#include "window_rows_body.h"
+}  // namespace rows_avx2
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl")
+namespace rows_avx512 {
+#include "window_rows_body.h"
+}  // namespace rows_avx512
+#pragma GCC pop_options
+
+struct RowCodec {
+  void (*quantize)(const float*, int64_t, uint8_t*);
+  void (*dequantize_bf16)(const uint8_t*, int64_t, int64_t, uint16_t*);
+};
+
+RowCodec row_codec() {
+  switch (simd_level()) {
+    case 2: return {rows_avx512::quantize_f32_row_i8, rows_avx512::dequantize_row_i8_bf16};
+    case 1: return {rows_avx2::quantize_f32_row_i8, rows_avx2::dequantize_row_i8_bf16};
+    default: return {rows_scalar::quantize_f32_row_i8, rows_scalar::dequantize_row_i8_bf16};
   }
-  float amax;
-  std::memcpy(&amax, &amax_bits, sizeof amax);
-  float s = amax / 127.f;
-  if (s == 0.f) s = 1.f;
-  int8_t* codes = reinterpret_cast<int8_t*>(out);
-  if (std::isfinite(s)) {
-    constexpr float kRound = 12582912.f;  // 1.5 * 2^23
-    const float inv = 1.f / s;
-    for (int64_t i = 0; i < D; ++i) {
-      float c = (x[i] * inv + kRound) - kRound;
-      c = c > 127.f ? 127.f : c;
-      c = c < -127.f ? -127.f : c;
-      codes[i] = (int8_t)(int32_t)c;
-    }
-  } else {
-    std::memset(codes, 0, (size_t)D);
-  }
-  std::memcpy(out + D, &s, sizeof s);
 }
 
 template <class TS>
-void quantize_row_i8(const TS* x, int64_t D, uint8_t* out) {
+void quantize_row_i8(const RowCodec& rc, const TS* x, int64_t D, uint8_t* out) {
   if constexpr (std::is_same_v<TS, float>) {
-    quantize_f32_row_i8(x, D, out);
+    rc.quantize(x, D, out);
   } else {
     float buf[512];  // head_dim <= 256 (formats.SUPPORTED_HEAD_SIZES)
     TORCH_CHECK(D <= 512, "head_dim ", D, " is too large for the 8-bit window");
@@ -144,41 +142,17 @@ void quantize_row_i8(const TS* x, int64_t D, uint8_t* out) {
     } else {
       for (int64_t i = 0; i < D; ++i) buf[i] = static_cast<float>(x[i]);
     }
-    quantize_f32_row_i8(buf, D, out);
-  }
-}
-
-// One K or V row (H segments of D codes + a float32 scale) to bf16 with c10's round to
-// nearest even, as branch-free integer steps that vectorize (c10's constructor does not);
-// cloned for AVX-512 and AVX2, the same exact arithmetic on every path (one float product
-// per value, then integer rounding). A non-finite scale makes its segment NaN, stored as
-// c10 (and torch's .to()) stores NaN.
-__attribute__((target_clones("arch=x86-64-v4", "avx2", "default")))
-void dequantize_row_i8_bf16(const uint8_t* in, int64_t H, int64_t D, uint16_t* out) {
-  for (int64_t h = 0; h < H; ++h, in += D + kvq::kWindowScaleBytes, out += D) {
-    float s;
-    std::memcpy(&s, in + D, sizeof s);
-    const int8_t* codes = reinterpret_cast<const int8_t*>(in);
-    if (!std::isfinite(s)) {
-      for (int64_t i = 0; i < D; ++i) out[i] = 0x7fc0;
-      continue;
-    }
-    for (int64_t i = 0; i < D; ++i) {
-      const float f = static_cast<float>(codes[i]) * s;
-      uint32_t u;
-      std::memcpy(&u, &f, sizeof u);
-      out[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-    }
+    rc.quantize(buf, D, out);
   }
 }
 
 // One K or V row of H segments into H * D values of the staging dtype.
 template <class TS>
-void dequantize_row_i8(const uint8_t* in, int64_t H, int64_t D, TS* y) {
+void dequantize_row_i8(const RowCodec& rc, const uint8_t* in, int64_t H, int64_t D, TS* y) {
   if constexpr (std::is_same_v<TS, c10::BFloat16>) {
-    dequantize_row_i8_bf16(in, H, D, reinterpret_cast<uint16_t*>(y));
+    rc.dequantize_bf16(in, H, D, reinterpret_cast<uint16_t*>(y));
   } else {
-    for (int64_t h = 0; h < H; ++h, in += D + kvq::kWindowScaleBytes, y += D) {
+    for (int64_t h = 0; h < H; ++h, in += D + kWindowScaleBytes, y += D) {
       float s;
       std::memcpy(&s, in + D, sizeof s);
       const int8_t* codes = reinterpret_cast<const int8_t*>(in);
@@ -201,11 +175,12 @@ void stage_int8(at::Tensor& staging, const at::Tensor& key, const at::Tensor& va
   std::vector<int64_t> slot_of(Ns, -1);
   for (int64_t i = 0; i < p.nk; ++i) slot_of[p.k_rows[i]] = i;
   std::vector<uint8_t> kept((size_t)(p.nk * 2 * P));
+  const RowCodec rc = row_codec();
   for (int64_t i = 0; i < p.ng; ++i) {
     const int64_t r = p.g_rows[i];
     const uint8_t* src = pl + p.g_blk[i] * pb + p.g_row[i] * pr;
     for (int64_t kv = 0; kv < 2; ++kv)
-      dequantize_row_i8(src + kv * pkv, H, D, st + kv * plane + r * E);
+      dequantize_row_i8(rc, src + kv * pkv, H, D, st + kv * plane + r * E);
     if (slot_of[r] >= 0) {
       std::memcpy(kept.data() + slot_of[r] * 2 * P, src, (size_t)P);
       std::memcpy(kept.data() + slot_of[r] * 2 * P + P, src + pkv, (size_t)P);
@@ -217,12 +192,12 @@ void stage_int8(at::Tensor& staging, const at::Tensor& key, const at::Tensor& va
   for (int64_t i = 0; i < p.nn; ++i) {
     const int64_t r = p.n_rows[i], t = p.n_tok[i];
     for (int64_t h = 0; h < H; ++h) {
-      quantize_row_i8(kd + t * key.stride(0) + h * key.stride(1), D, row.data() + h * RB);
-      quantize_row_i8(vd + t * value.stride(0) + h * value.stride(1), D,
+      quantize_row_i8(rc, kd + t * key.stride(0) + h * key.stride(1), D, row.data() + h * RB);
+      quantize_row_i8(rc, vd + t * value.stride(0) + h * value.stride(1), D,
                       row.data() + P + h * RB);
     }
     for (int64_t kv = 0; kv < 2; ++kv)
-      dequantize_row_i8(row.data() + kv * P, H, D, st + kv * plane + r * E);
+      dequantize_row_i8(rc, row.data() + kv * P, H, D, st + kv * plane + r * E);
     if (slot_of[r] >= 0) std::memcpy(kept.data() + slot_of[r] * 2 * P, row.data(), (size_t)(2 * P));
   }
   for (int64_t i = 0; i < p.nk; ++i) {
