@@ -160,10 +160,8 @@ KVQ_LAYOUT Layout make_layout(const Codec& kc, const Codec& vc, int32_t head_dim
 // `residual_tokens` tokens per kv head, each (token, K or V, kv head) row of head_dim values
 // stored in `window_bits`: 16 (the model's 16-bit dtype, exact for a 16-bit model) or 8
 // (int8 codes and one float32 scale, max|x| / 127, right after them: the `_w8` formats).
+// vllm_kvq/residual.py WINDOW_BITS lists the two; formats validate them.
 constexpr int32_t kWindowScaleBytes = 4;
-KVQ_LAYOUT bool window_bits_ok(int32_t window_bits) {
-  return window_bits == 16 || window_bits == 8;
-}
 KVQ_LAYOUT int32_t window_value_row_bytes(int32_t head_dim, int32_t window_bits) {
   return window_bits == 8 ? head_dim + kWindowScaleBytes : head_dim * 2;
 }

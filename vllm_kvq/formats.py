@@ -238,7 +238,7 @@ class KVFormat:
 
     @property
     def _name_flags(self) -> str:
-        """The name's trailing flags (_lm, _rot / _rotv) that with_* keep at the end."""
+        """The name's trailing flags (_lm, _rot / _rotv, _w8) that with_* keep at the end."""
         suffix = ""
         for flag, on in (("_w8", self.window_bits == 8),
                          ("_rot", self.rotation == "hadamard"),
