@@ -1,5 +1,6 @@
 """`vllm-kvq serve`: vLLM's own OpenAI server with our backend, talked to with `openai`."""
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -142,3 +143,17 @@ def test_readme_serve_command_keeps_its_defaults_flag_by_flag():
 def test_serve_rejects_a_bad_method_before_vllm_starts():
     with pytest.raises(FormatError, match="kvq.method='int5_group32'"):
         serve_command("/model", {"method": "int5_group32"}, [])
+
+
+def test_serve_flags_reach_the_kvq_config():
+    """`vllm-kvq serve --kv-window-bits 8` (and the other --kv-* flags) become keys of the
+    kvq config vLLM receives; a bad value fails before vLLM starts."""
+    from vllm_kvq.cli import build_parser, kvq_from_flags
+    args, rest = build_parser().parse_known_args(
+        ["serve", "/model", "--kv-method", "kivi4", "--kv-window-bits", "8", "--port", "9"])
+    kvq = kvq_from_flags(args)
+    assert kvq == {"method": "kivi4", "window_bits": 8} and rest == ["/model", "--port", "9"]
+    cmd = serve_command("/model", kvq, [])
+    assert json.loads(cmd[cmd.index("--additional-config") + 1]) == {"kvq": kvq}
+    with pytest.raises(FormatError, match="kvq.window_bits=4 is not allowed"):
+        serve_command("/model", {"method": "kivi4", "window_bits": 4}, [])

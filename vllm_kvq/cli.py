@@ -118,11 +118,16 @@ def current_platform_is_cpu() -> bool:
         return False
 
 
+def kvq_from_flags(args) -> dict:
+    """The kvq config the --kv-* flags given to `vllm-kvq serve` make."""
+    return {key: getattr(args, key) for key in SERVE_FLAGS.values()
+            if getattr(args, key) is not None}
+
+
 def cmd_serve(args, passthrough: list[str]) -> int:
     import os
 
-    kvq = {key: getattr(args, key) for key in SERVE_FLAGS.values()
-           if getattr(args, key) is not None}
+    kvq = kvq_from_flags(args)
     # The model, if given, comes first (`vllm-kvq serve MODEL --flags`): an argparse
     # positional would swallow the value of any vLLM flag it does not know (--host X).
     model = passthrough[0] if passthrough and not passthrough[0].startswith("-") else None
