@@ -275,6 +275,12 @@ def _random_window_step(key_dtype, pool_dtype, seed=0):
                                                   (torch.float32, torch.bfloat16)])
 def test_stage_window_op_matches_torch_indexing(key_dtype, pool_dtype):
     md, key, value, pages, pool, addresses = _random_window_step(key_dtype, pool_dtype)
+    _assert_op_matches_torch(md, key, value, pages, pool, addresses)
+
+
+def _assert_op_matches_torch(md, key, value, pages, pool, addresses):
+    """The extension and stage_and_write_torch on copies of the same pages: the same
+    staging rows, the same bytes kept (padding untouched), the same rows written."""
     pages_t = pages.clone()
     pool_t = pages_t[:, :pool[0].numel()].view(pool.shape)
     writes, writes_t = [], []
@@ -283,7 +289,7 @@ def test_stage_window_op_matches_torch_indexing(key_dtype, pool_dtype):
                                  lambda *a: writes_t.append(a))
     filled = torch.cat([md.pool_gather[0], md.new_gather[0]])
     assert all(torch.equal(a[filled], b[filled]) for a, b in zip(got, want))
-    assert torch.equal(pages, pages_t)  # padding untouched, same rows kept
+    assert torch.equal(pages, pages_t)
     assert len(writes) == 1 and all(torch.equal(a, b) for a, b in zip(writes[0], writes_t[0]))
 
 
@@ -318,17 +324,7 @@ def test_stage_window_op_matches_torch_indexing_int8_window(key_dtype, path, mon
     if ops.simd_path() != path:
         pytest.skip(f"this CPU has no {path} path")
     md, key, value, _, _, addresses = _random_window_step(key_dtype, torch.bfloat16)
-    pages, pool = _int8_pages(6, 5)
-    pages_t = pages.clone()
-    pool_t = pages_t[:, :pool[0].numel()].view(pool.shape)
-    writes, writes_t = [], []
-    got = stage_and_write(md, key, value, pool, addresses, lambda *a: writes.append(a))
-    want = stage_and_write_torch(md, key, value, pool_t, addresses,
-                                 lambda *a: writes_t.append(a))
-    filled = torch.cat([md.pool_gather[0], md.new_gather[0]])
-    assert all(torch.equal(a[filled], b[filled]) for a, b in zip(got, want))
-    assert torch.equal(pages, pages_t)
-    assert len(writes) == 1 and all(torch.equal(a, b) for a, b in zip(writes[0], writes_t[0]))
+    _assert_op_matches_torch(md, key, value, *_int8_pages(6, 5), addresses)
 
 
 def test_an_int8_window_stages_every_row_rounded():
