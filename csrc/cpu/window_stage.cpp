@@ -97,6 +97,7 @@ void stage_typed(at::Tensor& staging, const at::Tensor& key, const at::Tensor& v
 // for each SIMD path; simd_level() picks one per call, KVQ_SIMD lowers it like the other
 // ops). A prefill chunk quantizes every token, so the loops are written to vectorize.
 constexpr int64_t kWindowScaleBytes = kvq::kWindowScaleBytes;
+constexpr int64_t kMaxWindowHeadDim = 512;  // formats.SUPPORTED_HEAD_SIZES go to 256
 namespace rows_scalar {
 #include "window_rows_body.h"
 }  // namespace rows_scalar
@@ -131,8 +132,7 @@ void quantize_row_i8(const RowCodec& rc, const TS* x, int64_t D, uint8_t* out) {
   if constexpr (std::is_same_v<TS, float>) {
     rc.quantize(x, D, out);
   } else {
-    float buf[512];  // head_dim <= 256 (formats.SUPPORTED_HEAD_SIZES)
-    TORCH_CHECK(D <= 512, "head_dim ", D, " is too large for the 8-bit window");
+    float buf[kMaxWindowHeadDim];  // stage_int8 checked D
     if constexpr (std::is_same_v<TS, c10::BFloat16>) {
       const uint16_t* b = reinterpret_cast<const uint16_t*>(x);
       for (int64_t i = 0; i < D; ++i) {  // bf16 -> float is a shift (NaN stays NaN)
@@ -165,7 +165,9 @@ template <class TS>
 void stage_int8(at::Tensor& staging, const at::Tensor& key, const at::Tensor& value,
                 at::Tensor& pool, const RowPlan& p) {
   const int64_t Ns = staging.size(1), H = staging.size(2), D = staging.size(3);
-  const int64_t E = H * D, RB = D + kvq::kWindowScaleBytes, P = H * RB;  // P: one K/V row
+  TORCH_CHECK(D <= kMaxWindowHeadDim, "an 8-bit window takes head_dim <= ", kMaxWindowHeadDim,
+              ", got ", D);
+  const int64_t E = H * D, RB = D + kWindowScaleBytes, P = H * RB;  // P: one K/V row
   TS* st = staging.data_ptr<TS>();
   const int64_t plane = staging.stride(0);
   uint8_t* pl = pool.data_ptr<uint8_t>();
@@ -198,7 +200,8 @@ void stage_int8(at::Tensor& staging, const at::Tensor& key, const at::Tensor& va
     }
     for (int64_t kv = 0; kv < 2; ++kv)
       dequantize_row_i8(rc, row.data() + kv * P, H, D, st + kv * plane + r * E);
-    if (slot_of[r] >= 0) std::memcpy(kept.data() + slot_of[r] * 2 * P, row.data(), (size_t)(2 * P));
+    if (slot_of[r] >= 0)
+      std::memcpy(kept.data() + slot_of[r] * 2 * P, row.data(), (size_t)(2 * P));
   }
   for (int64_t i = 0; i < p.nk; ++i) {
     const uint8_t* src = kept.data() + slot_of[p.k_rows[i]] * 2 * P;
