@@ -267,28 +267,19 @@ def stage_and_write(md, key: torch.Tensor, value: torch.Tensor, pool: torch.Tens
 def stage_and_write_torch(md, key: torch.Tensor, value: torch.Tensor, pool: torch.Tensor,
                           addresses: tuple, write) -> tuple[torch.Tensor, torch.Tensor]:
     """stage_and_write in torch indexing ops (any device)."""
-    H, D = key.shape[1:]
+    H = key.shape[1]
     (g_blk, g_row), (k_blk, k_row) = addresses
-    if pool.dtype == torch.uint8:  # an 8-bit window: staged in its bytes, then decoded
-        rows_q = torch.zeros(2, md.plan.num_staging, H, pool.shape[-1], dtype=torch.uint8,
-                             device=key.device)
-        rows = md.pool_gather[0]
-        if rows.numel():
-            rows_q[:, rows] = pool[g_blk, g_row].transpose(0, 1)
-        rows, tok = md.new_gather
-        rows_q[0, rows] = quantize_window_rows(key[tok])
-        rows_q[1, rows] = quantize_window_rows(value[tok])
-        st = dequantize_window_rows(rows_q, key.dtype)
-        stored = rows_q
-    else:
-        st = torch.empty(2, md.plan.num_staging, H, D, dtype=key.dtype, device=key.device)
-        rows = md.pool_gather[0]
-        if rows.numel():
-            st[:, rows] = pool[g_blk, g_row].transpose(0, 1).to(st.dtype)
-        rows, tok = md.new_gather
-        st[0, rows] = key[tok]
-        st[1, rows] = value[tok]
-        stored = st
+    # rows in the window's own form (an 8-bit window: its bytes, decoded once for staging)
+    w8 = pool.dtype == torch.uint8
+    stored = torch.empty(2, md.plan.num_staging, H, pool.shape[-1],
+                         dtype=torch.uint8 if w8 else key.dtype, device=key.device)
+    rows = md.pool_gather[0]
+    if rows.numel():
+        stored[:, rows] = pool[g_blk, g_row].transpose(0, 1).to(stored.dtype)
+    rows, tok = md.new_gather
+    for side, x in enumerate((key, value)):
+        stored[side, rows] = quantize_window_rows(x[tok]) if w8 else x[tok]
+    st = dequantize_window_rows(stored, key.dtype) if w8 else stored
     if md.final_rows.numel():
         write(st[0, md.final_rows], st[1, md.final_rows], md.final_slots)
     rows = md.keep[0]
