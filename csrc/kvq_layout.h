@@ -42,7 +42,7 @@ enum Granularity : int32_t {
   GRAN_CHANNEL = 5,  // one per channel per `group` consecutive tokens (KIVI keys)
 };
 
-// A codec is what Python passes to every op as int[6], in this order.
+// A codec is what Python passes to every op as int[7], in this order.
 struct Codec {
   int32_t encoding;
   int32_t bits;         // bits per stored value: 16, 8, 4, 3, 2
@@ -50,8 +50,10 @@ struct Codec {
   int32_t group;        // GROUP: channels per scale; CHANNEL: tokens per scale; else 0
   int32_t symmetric;    // 1: no zero-point stored (INT codes are offset by 2^(bits-1))
   int32_t outliers;     // sparse outlier slots per token per kv head, 0 = none
+  int32_t sink;         // 1: the block's first token also kept as an 8-bit row (the
+                        // attention sink, read for a sequence's position 0), 0 = none
 };
-constexpr int kCodecInts = 6;
+constexpr int kCodecInts = 7;
 
 // A sparse outlier: removed from the dense range, its correction x - (the dense decode at
 // its channel) stored (kvq_numeric.h select_outliers). channel == kNoOutlier marks an empty
@@ -77,6 +79,8 @@ struct Region {
   int32_t zero_off, zero_bytes;        // same shape as scales, or 0 bytes when symmetric
   int32_t scale_rows, scale_cols;      // TOKEN: B x 1, GROUP: B x D/g, CHANNEL: B/G x D
   int32_t outlier_off, outlier_bytes;  // block_size x outliers Outlier structs
+  int32_t sink_off, sink_bytes;        // sink rows of int8_row_bytes: the block's first
+                                       // `sink` tokens again (0 bytes without a sink)
   int32_t end;                         // first byte after this region (aligned)
 };
 
@@ -90,6 +94,12 @@ struct Layout {
 };
 
 KVQ_LAYOUT int32_t align_up(int32_t x, int32_t a) { return (x + a - 1) / a * a; }
+
+// A row of head_dim values kept in 8 bits: int8 codes, then one float32 scale max|x| / 127
+// (the 8-bit residual window's rows and the attention sink's; one codec, see
+// csrc/cpu/window_rows_body.h and vllm_kvq/residual.py quantize_window_rows).
+constexpr int32_t kWindowScaleBytes = 4;
+KVQ_LAYOUT int32_t int8_row_bytes(int32_t head_dim) { return head_dim + kWindowScaleBytes; }
 
 KVQ_LAYOUT bool has_stored_scale(const Codec& c) {
   return c.granularity == GRAN_TOKEN || c.granularity == GRAN_GROUP ||
@@ -133,6 +143,9 @@ KVQ_LAYOUT Region make_region(const Codec& c, int32_t head_dim, int32_t block_si
   r.outlier_off = off;
   r.outlier_bytes = block_size * c.outliers * (int32_t)sizeof(Outlier);
   off = align_up(off + r.outlier_bytes, kFieldAlign);
+  r.sink_off = off;
+  r.sink_bytes = c.sink * int8_row_bytes(head_dim);
+  off = align_up(off + r.sink_bytes, kFieldAlign);
   r.end = off;
   return r;
 }
@@ -150,8 +163,9 @@ KVQ_LAYOUT Layout make_layout(const Codec& kc, const Codec& vc, int32_t head_dim
   l.token_bytes = (l.used_bytes + block_size - 1) / block_size;
   l.plane_bytes = l.token_bytes * block_size;
   const int32_t fields = l.k.data_bytes + l.k.scale_bytes + l.k.zero_bytes +
-                         l.k.outlier_bytes + l.v.data_bytes + l.v.scale_bytes +
-                         l.v.zero_bytes + l.v.outlier_bytes;
+                         l.k.outlier_bytes + l.k.sink_bytes + l.v.data_bytes +
+                         l.v.scale_bytes + l.v.zero_bytes + l.v.outlier_bytes +
+                         l.v.sink_bytes;
   l.padding = l.plane_bytes - fields;
   return l;
 }
@@ -161,9 +175,8 @@ KVQ_LAYOUT Layout make_layout(const Codec& kc, const Codec& vc, int32_t head_dim
 // stored in `window_bits`: 16 (the model's 16-bit dtype, exact for a 16-bit model) or 8
 // (int8 codes and one float32 scale, max|x| / 127, right after them: the `_w8` formats).
 // vllm_kvq/residual.py WINDOW_BITS lists the two; formats validate them.
-constexpr int32_t kWindowScaleBytes = 4;
 KVQ_LAYOUT int32_t window_value_row_bytes(int32_t head_dim, int32_t window_bits) {
-  return window_bits == 8 ? head_dim + kWindowScaleBytes : head_dim * 2;
+  return window_bits == 8 ? int8_row_bytes(head_dim) : head_dim * 2;
 }
 KVQ_LAYOUT int64_t residual_bytes_per_seq_layer(int32_t num_kv_heads, int32_t head_dim,
                                             int32_t residual_tokens, int32_t window_bits) {
@@ -194,15 +207,19 @@ KVQ_LAYOUT int32_t window_blocks_per_seq(int32_t token_bytes, int32_t block_size
 // Bytes per token per kv head (K and V, scales, zero-points, outlier slots, alignment) at
 // block size 128; README's tables and `vllm-kvq formats` print these same numbers.
 namespace canonical {
-constexpr Codec kBF16{ENC_BF16, 16, GRAN_NONE, 0, 0, 0};
-constexpr Codec kFP8{ENC_FP8_E4M3, 8, GRAN_TENSOR, 0, 0, 0};
-constexpr Codec kInt8Token{ENC_INT, 8, GRAN_TOKEN, 0, 0, 0};
-constexpr Codec kInt4Group32{ENC_INT, 4, GRAN_GROUP, 32, 0, 0};
-constexpr Codec kInt2Group32{ENC_INT, 2, GRAN_GROUP, 32, 0, 0};
-constexpr Codec kKivi4Keys{ENC_INT, 4, GRAN_CHANNEL, 32, 0, 0};   // kivi4 = these + int4_group32
-constexpr Codec kKivi2Keys{ENC_INT, 2, GRAN_CHANNEL, 32, 0, 0};   // kivi2 = these + int2_group32
-constexpr Codec kNuq3Keys{ENC_NUQ, 3, GRAN_CHANNEL, 32, 0, 1};    // nuq3: 1 outlier slot each
-constexpr Codec kNuq3Values{ENC_NUQ, 3, GRAN_TOKEN, 0, 0, 1};
+constexpr Codec kBF16{ENC_BF16, 16, GRAN_NONE, 0, 0, 0, 0};
+constexpr Codec kFP8{ENC_FP8_E4M3, 8, GRAN_TENSOR, 0, 0, 0, 0};
+constexpr Codec kInt8Token{ENC_INT, 8, GRAN_TOKEN, 0, 0, 0, 0};
+constexpr Codec kInt4Group32{ENC_INT, 4, GRAN_GROUP, 32, 0, 0, 0};
+constexpr Codec kInt2Group32{ENC_INT, 2, GRAN_GROUP, 32, 0, 0, 0};
+constexpr Codec kKivi4Keys{ENC_INT, 4, GRAN_CHANNEL, 32, 0, 0, 0};   // kivi4 = these + int4_group32
+constexpr Codec kKivi2Keys{ENC_INT, 2, GRAN_CHANNEL, 32, 0, 0, 0};   // kivi2 = these + int2_group32
+constexpr Codec kNuq3Keys{ENC_NUQ, 3, GRAN_CHANNEL, 32, 0, 1, 0};    // nuq3: 1 outlier slot each
+constexpr Codec kNuq3Values{ENC_NUQ, 3, GRAN_TOKEN, 0, 0, 1, 0};
+constexpr Codec kNuq2Keys{ENC_NUQ, 2, GRAN_CHANNEL, 32, 0, 1, 0};    // nuq2: like nuq3's
+constexpr Codec kNuq2Values{ENC_NUQ, 2, GRAN_TOKEN, 0, 0, 1, 0};
+// the same with the attention sink (_sink): one 8-bit row of K and one of V per block
+constexpr Codec with_sink(Codec c) { c.sink = 1; return c; }
 constexpr int32_t token_bytes(const Codec& k, const Codec& v, int32_t head_dim) {
   return make_layout(k, v, head_dim, 128).token_bytes;
 }
@@ -213,6 +230,17 @@ static_assert(token_bytes(kInt4Group32, kInt4Group32, 64) == 80, "int4_group32, 
 static_assert(token_bytes(kKivi4Keys, kInt4Group32, 64) == 80, "kivi4, head_dim 64");
 static_assert(token_bytes(kKivi2Keys, kInt2Group32, 64) == 48, "kivi2, head_dim 64");
 static_assert(token_bytes(kNuq3Keys, kNuq3Values, 64) == 68, "nuq3, head_dim 64");
+static_assert(token_bytes(kNuq2Keys, kNuq2Values, 64) == 52, "nuq2, head_dim 64");
+// sinks: 2 x 80 aligned bytes per block at head_dim 64 (+1.25 B/token before rounding),
+// 2 x 144 at 128 (+2.25 B); 256: 2 x 272 (+4.25 B)
+static_assert(token_bytes(with_sink(kKivi2Keys), with_sink(kInt2Group32), 64) == 50,
+              "kivi2_sink, head_dim 64");
+static_assert(token_bytes(with_sink(kNuq2Keys), with_sink(kNuq2Values), 64) == 54,
+              "nuq2_sink, head_dim 64");
+static_assert(token_bytes(with_sink(kKivi4Keys), with_sink(kInt4Group32), 64) == 82,
+              "kivi4_sink, head_dim 64");
+static_assert(token_bytes(with_sink(kKivi2Keys), with_sink(kInt2Group32), 128) == 99,
+              "kivi2_sink, head_dim 128");
 static_assert(token_bytes(kInt4Group32, kInt4Group32, 128) == 160, "int4_group32, head_dim 128");
 static_assert(token_bytes(kKivi2Keys, kInt2Group32, 128) == 96, "kivi2, head_dim 128");
 static_assert(token_bytes(kNuq3Keys, kNuq3Values, 128) == 124, "nuq3, head_dim 128");

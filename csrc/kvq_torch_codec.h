@@ -1,4 +1,4 @@
-// The Codec of the int[6] every op takes from Python (vllm_kvq.formats: Codec.as_ints()),
+// The Codec of the int[7] every op takes from Python (vllm_kvq.formats: Codec.as_ints()),
 // checked once here for all of them (CPU, CUDA, the CUDA emulation and standalone builds).
 #pragma once
 #include <ATen/core/Tensor.h>  // Tensor and ScalarType only (ATen/ATen.h: +7 s a TU)
@@ -16,7 +16,7 @@ inline Codec to_codec(const Ints& v, const char* what) {
   TORCH_CHECK(v.size() == (size_t)kCodecInts, what, " must have ", kCodecInts, " ints, got ",
               v.size());
   return Codec{(int32_t)v[0], (int32_t)v[1], (int32_t)v[2],
-               (int32_t)v[3], (int32_t)v[4], (int32_t)v[5]};
+               (int32_t)v[3], (int32_t)v[4], (int32_t)v[5], (int32_t)v[6]};
 }
 
 // The per-head static scales of a tensor/head codec (1 or H values, any float dtype) as H

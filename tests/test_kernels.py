@@ -35,12 +35,14 @@ WRITE_FORMATS = list(EXAMPLE_NAMES) + [
     "int3_token", "int2_token", "int8_token_sym", "int4_group32_sym", "int3_group32",
     "int4_channel32_sym_r32", "int2_channel16_r32", "fp8_e5m2_token", "fp8_e4m3_head",
     "fp8_e5m2_head", "int8_tensor_sym", "int4_head_sym", "kivi4_r32", "kivi2_k16_g16_r32",
+    "kivi2_sink", "int4_group32_sink", "int2_channel16_r32_sink",
 ]
 # Formats run through attention on the standard mixed batch.
 ATTN_FORMATS = list(EXAMPLE_NAMES) + [
     "int3_token", "int2_token", "int8_token_sym", "int4_group32_sym", "fp8_e5m2_token",
     "fp8_e4m3_head", "int8_tensor_sym", "kivi4_r32", "int8_token_r32", "bf16_r32",
-    "int3_group32",
+    "int3_group32", "kivi2_sink", "int4_group32_sink", "kivi4_r32_sink", "int8_token_r32_sink",
+    "int2_group32_sink_rot",
 ]
 DATA_KINDS = ["normal", "adversarial", "wide"]
 
@@ -416,6 +418,12 @@ def run_ref_int8q(c):
                 if nuq:
                     sc, z = sc * delta, z + sc * lmin
                 Sc[h, j * B // G:(j + 1) * B // G], Z[h, j * B // G:(j + 1) * B // G] = sc, z
+        # the attention sink: position 0 read exactly (the exact query, like staging rows)
+        sink = [reference.read_sink(cache, int(bt[s, 0]), h, lay) for h in range(H)] \
+            if fmt.sink else None
+        if sink:
+            for h in range(H):
+                V[h, 0] = sink[h][1][0]
         first = L - (q1 - q0)
         for i in range(q1 - q0):
             p = first + i
@@ -437,6 +445,8 @@ def run_ref_int8q(c):
                 kz = Kd[h, :F] - Z[h][rowof]
                 lg = ((qt.double()[rowof] * kz.double()).sum(-1) + (Z[h][rowof].double() @ x.double())
                       + (K[h, :F] - Kd[h, :F]).double() @ x.double())
+                if sink and F > 0:
+                    lg[0] = sink[h][0][0].double() @ x.double()
                 if Ks is not None:
                     lg = torch.cat([lg, Ks[h].double() @ x.double()])
                 lo = max(0, p - c["window"] + 1) if c.get("window") else 0  # keys (p - W, p]

@@ -274,7 +274,7 @@ NUQ_NAMES = [f"nuq{b}_{g}{o}" + ("_r32" if g == "channel32" else "") for b in (2
              for g in ("token", "group32", "channel32") for o in ("", "_o1", "_o3")]
 INT_OUTLIER_NAMES = ["int4_token_o1", "int3_group32_o2", "int2_channel16_o1_r32",
                      "int8_token_sym_o2", "int4_head_sym_o1", "int4_group32_o1_r128",
-                     "nuq3", "nuq2_group16_o1_r128"]
+                     "nuq3", "nuq2_group16_o1_r128", "nuq2_sink", "nuq4_token_o1_sink"]
 
 
 def crowded_tokens(n, H, D, gen):
@@ -325,7 +325,8 @@ def test_write_cache_matches_reference(name, kind, lv):
 
 ATTN_NAMES = ["nuq2_token", "nuq3_token_o1", "nuq4_group32_o3", "nuq3_channel32_o1_r32",
               "nuq2_group16_r32", "nuq4_channel16_r128", "int4_token_o1", "int3_group32_o2",
-              "int2_channel32_o1_r32", "nuq3"]
+              "int2_channel32_o1_r32", "nuq3", "nuq2_sink", "nuq4_sink", "nuq3_sink",
+              "nuq4_token_o1_sink"]
 ATTN_CASES = [(n, dt) for n in ATTN_NAMES for dt in (torch.float32, torch.bfloat16)]
 
 

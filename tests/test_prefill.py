@@ -18,7 +18,8 @@ from vllm_kvq.reference import uniform_levels
 from vllm_kvq.tools.paged_attention_case import attention_case
 
 CODECS = ["bf16", "fp8_e4m3", "fp8_e4m3_token", "int8_token", "int4_group32", "int2_group32",
-          "int8_head_sym", "kivi2", "kivi4", "nuq3", "int4_token_o1", "kivi2_rotv"]
+          "int8_head_sym", "kivi2", "kivi4", "nuq3", "int4_token_o1", "kivi2_rotv",
+          "kivi2_sink", "int4_group32_sink"]
 # (max abs error vs the reference) fp32: the flash kernel's fp32 rounding; bf16: the bf16
 # output itself (|out| < 4, so one bf16 ulp is <= 2^-6) plus K/V rounded to bf16.
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
@@ -150,6 +151,10 @@ def test_dequantize_pages_equals_reference_decode(name):
                for h in range(H)] for j in range((L + B - 1) // B)]
     want = [torch.cat([torch.stack([blk[h][i] for h in range(H)]) for blk in blocks], 1)[:, :L]
             for i in (0, 1)]
+    if fmt.sink:  # position 0 from the first block's int8 sink rows
+        for h in range(H):
+            sk, sv = ref.read_sink(case["cache"], int(row[0]), h, lay)
+            want[0][h, 0], want[1][h, 0] = sk[0], sv[0]
     for path, dt in itertools.product(PATHS, (torch.float32, torch.bfloat16, torch.float16)):
         k = torch.zeros(H, L + 5, D, dtype=dt)
         v = torch.zeros(H, L + 5, D, dtype=dt)

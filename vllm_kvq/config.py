@@ -19,6 +19,9 @@ Keys (all optional but `method`):
   window_bits        16 | 8: how the residual window stores recent tokens (8: int8 with a
                      float32 scale per token, K/V and kv head, half the window's memory;
                      the same as the format name's _w8 suffix)
+  sink_tokens        0 | 1: keep the sequence's first token (the attention sink) as an int8
+                     row beside the quantized pages (the format name's _sink suffix;
+                     int and nuq formats)
   calibration        path of a calibration file (`vllm-kvq calibrate`): the nuq codebooks
                      (not read by _lm formats, whose codebooks need no data).
                      nuq formats need one; without this key the model's shipped default
@@ -34,7 +37,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from vllm_kvq.formats import (KIVI_DEFAULT_GROUP, Codec, FormatError,
+from vllm_kvq.formats import (KIVI_DEFAULT_GROUP, SINK_TOKENS, Codec, FormatError,
                               KVFormat, parse_format)
 from vllm_kvq.residual import WINDOW_BITS
 from vllm_kvq.rotation import ROTATIONS
@@ -42,7 +45,7 @@ from vllm_kvq.rotation import ROTATIONS
 CONFIG_KEY = "kvq"
 ALLOWED_KEYS = ("method", "bits", "group_size", "key_granularity", "value_granularity",
                 "residual_tokens", "symmetric", "k_scale", "v_scale", "calibration",
-                "outlier_fraction", "rotation", "window_bits")
+                "outlier_fraction", "rotation", "window_bits", "sink_tokens")
 FAMILIES = ("bf16", "fp16", "fp8", "fp8_e4m3", "fp8_e5m2", "int", "kivi", "nuq")
 DEFAULT_INT_GROUP = 32
 DEFAULT_NUQ_BITS = 3
@@ -72,7 +75,8 @@ class KVQConfig:
         return {"method": self.fmt.name, "residual_tokens": self.fmt.residual_tokens,
                 "k_scale": self.k_scale, "v_scale": self.v_scale,
                 "calibration": self.calibration, "outlier_fraction": self.outlier_fraction,
-                "rotation": self.fmt.rotation, "window_bits": self.fmt.window_bits}
+                "rotation": self.fmt.rotation, "window_bits": self.fmt.window_bits,
+                "sink_tokens": self.fmt.sink}
 
 
 def outlier_slots(fraction: float, head_dim: int) -> int:
@@ -184,6 +188,14 @@ def config_from_dict(d: dict | None, head_dim: int | None = None) -> KVQConfig:
                                   f"of the residual window)")
             if wb != fmt.window_bits:
                 fmt = fmt.with_window_bits(wb)
+        sink = d.get("sink_tokens")
+        if sink is not None:
+            if isinstance(sink, bool) or sink not in SINK_TOKENS:
+                raise FormatError(f"kvq.sink_tokens={sink!r} is not allowed; allowed: "
+                                  f"{', '.join(map(str, SINK_TOKENS))} (first tokens kept as "
+                                  f"int8 rows beside the pages)")
+            if sink != fmt.sink:
+                fmt = fmt.with_sink(sink)
     except (FormatError, TypeError, ValueError) as e:
         raise FormatError(f"kvq.method={method!r}: {e}") from None
     p = d.get("outlier_fraction")

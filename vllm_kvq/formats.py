@@ -55,6 +55,10 @@ INT_BITS = (2, 3, 4, 8)
 NUQ_BITS = (2, 3, 4)
 CHANNEL_GROUPS = (16, 32, 64, 128)
 MAX_OUTLIERS = 64
+# Attention-sink tokens a format may keep (first tokens of a sequence, as int8 rows in
+# every block's page: csrc/kvq_layout.h Region.sink_*); one measured as well as four
+# (reports/rotation/session25-sink)
+SINK_TOKENS = (0, 1)
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)
 KIVI_DEFAULT_GROUP = 32
 KIVI_DEFAULT_RESIDUAL = 128
@@ -78,6 +82,7 @@ class Codec:
     group: int = 0
     symmetric: bool = False
     outliers: int = 0
+    sink: int = 0  # SINK_TOKENS: the block's first token also kept as an int8 row
 
     def __post_init__(self):
         if self.encoding not in ENCODINGS:
@@ -120,6 +125,11 @@ class Codec:
         if self.outliers and self.encoding not in ("int", "nuq"):
             raise FormatError(f"outlier slots apply to int and nuq codecs, not "
                               f"{self.encoding}")
+        if self.sink not in SINK_TOKENS:
+            raise _allowed("sink", self.sink, SINK_TOKENS)
+        if self.sink and self.encoding not in ("int", "nuq"):
+            raise FormatError(f"an attention sink applies to int and nuq codecs, not "
+                              f"{self.encoding}")
 
     def check_shape(self, head_dim: int, block_size: int) -> None:
         if self.granularity == "group" and head_dim % self.group:
@@ -145,9 +155,9 @@ class Codec:
         return self.granularity + (str(self.group) if self.group else "")
 
     def as_ints(self) -> list[int]:
-        """The int[6] every op takes (kvq::Codec field order)."""
+        """The int[7] every op takes (kvq::Codec field order)."""
         return [ENCODINGS[self.encoding], self.bits, GRANULARITIES[self.granularity],
-                self.group, int(self.symmetric), self.outliers]
+                self.group, int(self.symmetric), self.outliers, self.sink]
 
     def describe(self) -> str:
         if self.is_float:
@@ -158,6 +168,8 @@ class Codec:
             s += "/sym"
         if self.outliers:
             s += f"/+{self.outliers}outl"
+        if self.sink:
+            s += "/+sink"
         return s
 
 
@@ -179,7 +191,7 @@ class Layout:
         out = {}
         for side in ("k", "v"):
             r = getattr(self, side)
-            for f in ("data", "scale", "zero", "outlier"):
+            for f in ("data", "scale", "zero", "outlier", "sink"):
                 out[f"{side}_{f}"] = r[f"{f}_bytes"]
         return out
 
@@ -210,6 +222,10 @@ class KVFormat:
         if self.codebook == "gaussian" and "nuq" not in (self.key.encoding, self.value.encoding):
             raise FormatError(f"format {self.name!r}: _lm (Lloyd-Max codebooks) applies to nuq "
                               f"formats only (e.g. nuq3_lm_rot, nuq4_token_lm_rot)")
+        if self.key.sink != self.value.sink:
+            raise FormatError(f"format {self.name!r}: an attention sink keeps both the key and "
+                              f"the value of the first token, so both codecs are int or nuq "
+                              f"with sink={self.sink}")
         for c in (self.key, self.value):
             if c.granularity == "channel" and (self.residual_tokens == 0
                                                or self.residual_tokens % c.group):
@@ -237,13 +253,20 @@ class KVFormat:
         return max(self.key.outliers, self.value.outliers)
 
     @property
+    def sink(self) -> int:
+        """Attention-sink tokens kept as int8 rows in the pages (0 or 1; _sink)."""
+        return max(self.key.sink, self.value.sink)
+
+    @property
     def _name_flags(self) -> str:
-        """The name's trailing flags (_lm, _rot / _rotv, _w8) that with_* keep at the end."""
+        """The name's trailing flags (_sink, _lm, _rot / _rotv, _w8) that with_* keep at the
+        end."""
         suffix = ""
         for flag, on in (("_w8", self.window_bits == 8),
                          ("_rot", self.rotation == "hadamard"),
                          ("_rotv", self.rotation == "hadamard_values"),
-                         ("_lm", self.codebook == "gaussian")):
+                         ("_lm", self.codebook == "gaussian"),
+                         ("_sink", self.sink > 0)):
             if on and self.name[:len(self.name) - len(suffix)].endswith(flag):
                 suffix = flag + suffix
         return suffix
@@ -265,10 +288,27 @@ class KVFormat:
         """The same format with keys and values (or values only, or neither) rotated before
         quantizing."""
         base = self.name[:len(self.name) - len(self._name_flags)]
-        flags = ("_lm" if self.codebook == "gaussian" else "") + \
+        flags = ("_sink" if self.sink else "") + ("_lm" if self.codebook == "gaussian" else "") + \
             {"hadamard": "_rot", "hadamard_values": "_rotv"}.get(rotation, "") + \
             ("_w8" if self.window_bits == 8 else "")
         return dataclasses.replace(self, name=base + flags, rotation=rotation)
+
+    def with_sink(self, sink: int) -> "KVFormat":
+        """The same format with (1) or without (0) the attention sink."""
+        if sink not in SINK_TOKENS:
+            raise _allowed("sink_tokens", sink, SINK_TOKENS)
+        if sink and not any(c.encoding in ("int", "nuq") for c in (self.key, self.value)):
+            raise FormatError(f"format {self.name!r}: an attention sink applies to int and nuq "
+                              f"formats (e.g. kivi2_sink, nuq2_sink)")
+        flags = self._name_flags
+        base = self.name[:len(self.name) - len(flags)]
+        flags = flags.removeprefix("_sink")
+
+        def c(codec):
+            return dataclasses.replace(codec, sink=sink) \
+                if codec.encoding in ("int", "nuq") else codec
+        return dataclasses.replace(self, name=base + ("_sink" if sink else "") + flags,
+                                   key=c(self.key), value=c(self.value))
 
     def with_window_bits(self, window_bits: int) -> "KVFormat":
         """The same format with its residual window stored in `window_bits` (16 or 8)."""
@@ -307,8 +347,8 @@ class KVFormat:
         per = {}
         for side in ("k", "v"):
             r = getattr(lay, side)
-            per[side] = sum(r[f"{f}_bytes"] for f in ("data", "scale", "zero", "outlier")) \
-                / block_size
+            per[side] = sum(r[f"{f}_bytes"]
+                            for f in ("data", "scale", "zero", "outlier", "sink")) / block_size
         per["padding"] = lay.padding / block_size
         per["total"] = lay.token_bytes
         return per
@@ -427,6 +467,20 @@ def parse_format(name: str) -> KVFormat:
             if base.rotation != "none":
                 raise FormatError(f"format {name!r}: one rotation suffix (_rot or _rotv), once")
             return dataclasses.replace(base, name=name, rotation=rot)
+    if name.endswith("_sink"):
+        base = parse_format(name[:-len("_sink")])
+        if base.name != name[:-len("_sink")] or base.window_bits != 16 or \
+                base.rotation != "none" or base.codebook != "calibrated" or base.sink:
+            raise FormatError(f"format {name!r}: _sink goes right after the format's own name, "
+                              f"once (e.g. kivi2_sink, nuq2_sink_rotv, kivi4_sink_w8)")
+        if "int" not in (base.key.encoding, base.value.encoding) and \
+                "nuq" not in (base.key.encoding, base.value.encoding):
+            raise FormatError(f"format {name!r}: an attention sink applies to int and nuq "
+                              f"formats (e.g. kivi2_sink, nuq2_sink), not {base.name!r}")
+        def c(codec):
+            return dataclasses.replace(codec, sink=1) \
+                if codec.encoding in ("int", "nuq") else codec
+        return dataclasses.replace(base, name=name, key=c(base.key), value=c(base.value))
     if name.endswith("_lm"):
         base = parse_format(name[:-len("_lm")])
         if base.window_bits != 16:

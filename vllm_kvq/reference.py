@@ -16,6 +16,11 @@ and side); outlier slots follow kvq::select_outliers (csrc/kvq_numeric.h).
 Rotated formats (vllm_kvq.rotation): write_cache stores K R and V R; paged_attention rotates
 the query and the staging rows (in their dtype, as vllm_kvq.ops does) and returns the
 output rotated back.
+
+Attention sink (_sink formats, codec.sink = 1): a block's first token is also stored as an
+int8 row with a float32 scale (vllm_kvq.residual.quantize_window_rows) in each region's
+sink field; paged_attention reads a sequence's position 0 from its first block's sink row,
+as float32 (codes * scale), wherever it would read it from the pages.
 """
 from __future__ import annotations
 
@@ -25,6 +30,7 @@ import torch
 
 from vllm_kvq import rotation
 from vllm_kvq.formats import Codec, KVFormat, Layout
+from vllm_kvq.residual import dequantize_window_rows, quantize_window_rows
 
 FP16_MAX = 65504.0
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
@@ -304,6 +310,11 @@ def encode_rows_into_plane(plane: torch.Tensor, region: dict, codec: Codec, t0: 
     if codec.granularity == "channel" and t0 % codec.group:
         raise ValueError(f"per-channel groups need whole aligned groups of {codec.group} "
                          f"tokens, got tokens {t0}..{t0 + T - 1}")
+    if t0 < codec.sink:  # the block's first tokens again, as int8 rows
+        n = min(codec.sink, t0 + T) - t0
+        rows = quantize_window_rows(x[:n]).reshape(-1)
+        off = region["sink_off"] + t0 * (region["sink_bytes"] // codec.sink)
+        plane[off:off + rows.numel()] = rows
     codes, scales, zeros, chans, corrections, _ = quantize_rows(
         x, codec, static_scale if codec.static_scale else None, levels, decode=False)
     srow0 = t0 // codec.group if codec.granularity == "channel" else t0
@@ -445,6 +456,17 @@ def read_block(cache: torch.Tensor, block: int, head: int, fmt: KVFormat, layout
     return k, v
 
 
+def read_sink(cache: torch.Tensor, block: int, head: int, layout: Layout) -> tuple:
+    """The sink rows (K, V) of one plane as float32 [sink, D]: codes * scale."""
+    plane = _planes(cache)[block, head]
+    D = layout.head_dim
+
+    def rows(r):
+        raw = _field(plane, r["sink_off"], r["sink_bytes"]).reshape(-1, D + 4)
+        return dequantize_window_rows(raw, torch.float32)
+    return rows(layout.k), rows(layout.v)
+
+
 def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor,
                     seq_lens: torch.Tensor, query_start_loc: torch.Tensor, fmt: KVFormat,
                     layout: Layout, softmax_scale: float, k_scale=None, v_scale=None,
@@ -489,6 +511,9 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
                 k, v = read_block(cache, int(block_table[s, j]), h, fmt, layout, k_scale, v_scale,
                                   k_levels, v_levels)
                 K[h, j * B:(j + 1) * B], V[h, j * B:(j + 1) * B] = k, v
+                if j == 0 and fmt.sink:  # position 0 from the sink (staging still wins)
+                    sk, sv = read_sink(cache, int(block_table[s, 0]), h, layout)
+                    K[h, :fmt.sink], V[h, :fmt.sink] = sk, sv
         for i in range(q1 - q0):
             p = first + i
             F = (p + 1) // R * R

@@ -161,8 +161,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   TORCH_CHECK(D % 16 == 0 && D >= 16 && D <= 512, "head_dim ", D,
               " must be a multiple of 16 in [16, 512]");
   TORCH_CHECK(B % 16 == 0 && B > 0, "block_size ", B, " must be a multiple of 16");
-  check_codec(kc, D, B, "k_codec");
-  check_codec(vc, D, B, "v_codec");
+  check_codecs(kc, vc, D, B);
   const std::vector<float> klev = codebook(kc, k_levels, "k_levels");
   const std::vector<float> vlev = codebook(vc, v_levels, "v_levels");
   const kvq::Layout lay = kvq::make_layout(kc, vc, D, B);

@@ -1641,6 +1641,15 @@ static inline void qk_block(const float* Q, const float* K, int nt, int D, float
     for (int ti = 0; ti < nt && ti < TB; ++ti) S[mi * SL + ti] = tmp[mi * TB + ti];
 }
 
+// One int8 row (the attention sink's: kvq_layout.h int8_row_bytes) -> D floats codes * scale
+// (a non-finite scale gives NaN, like vllm_kvq.residual.dequantize_window_rows).
+static inline void load_int8_row(const uint8_t* row, int D, float* out) {
+  float s;
+  memcpy(&s, row + D, sizeof s);
+  const int8_t* codes = (const int8_t*)row;
+  for (int d = 0; d < D; ++d) out[d] = (float)codes[d] * s;
+}
+
 static void qk_tile(const float* Q, int M, const float* K, int nt, int D, float* S) {
   int m = 0;
   for (; m + 4 <= M; m += 4)
@@ -1667,14 +1676,17 @@ static inline void soft_cap_row(float* s, int nch, float c) {
   }
 }
 
+// skip0: the tile's token 0 is a sequence's position 0, read from its sink row instead
+// (run_task_impl): left out of every row whose range starts there (weight exactly 0).
 static void softmax_tile(float* S, int M, int nt, const int* lo, const int* hi, float* mrow,
-                         float* lrow, float* acc, int D, float cap) {
+                         float* lrow, float* acc, int D, float cap, bool skip0 = false) {
   const int nch = (nt + W - 1) / W;
   for (int m = 0; m < M; ++m) {
     float* s = S + m * SL;
     const int a = lo[m], b = hi[m];
     if (a >= b) continue;
     if (cap > 0.0f) soft_cap_row(s, nch, cap);
+    if (skip0 && a == 0) s[0] = -INFINITY;  // (run_task_impl keeps such rows' b > 1)
     const bool full = a == 0 && b == nt && nt % W == 0;
     float mx;
     if (full) {
@@ -2053,7 +2065,8 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
       for (int d = 0; d < D; ++d) Qb[(int64_t)m * D + d] = m < M ? src[d] : 0;
     }
 
-  // Paged keys: query i reads positions < F_i.
+  // Paged keys: query i reads positions < F_i (position 0 from the sink with sink0).
+  const bool sink0 = P.lay.k.sink_bytes > 0 && T.kbeg == 0 && T.kend > 0;
   const int32_t* btrow = P.bt + (int64_t)T.s * P.bt_stride;
   const uint8_t* hbase = P.cache + (int64_t)T.h * P.c_sh;
   const float kst = P.k_scale[T.h], vst = P.v_scale[T.h];
@@ -2097,6 +2110,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
       // a decode's window starts at kbeg (lo = 0); prefill rows start later, one by one
       lo[m] = P.window ? iclamp(pq[m / gq] - P.window + 1 - jt0, 0, nt) : 0;
       hi[m] = iclamp(Fq[m / gq] - jt0, 0, nt);
+      if (sink0 && jt0 == 0 && lo[m] == 0 && hi[m] == 1) hi[m] = 0;  // only position 0
     }
     if (iqk && ichn) {
       // Per-channel scales: each scale row folds into the query (fold_rows) for its run of
@@ -2180,7 +2194,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
     // query (Q holds it), per-channel keys with the exact one (like their zero-points).
     if (iqk && P.kc.outliers) outlier_fix_k(P.kc, ks, nt, M, D, Q, S);
     kstream.flush();
-    softmax_tile(S, M, nt, lo, hi, mrow, lrow, acc, D, P.softcap_log2);
+    softmax_tile(S, M, nt, lo, hi, mrow, lrow, acc, D, P.softcap_log2, sink0 && jt0 == 0);
     int nvc = 0;
     for (int k = 0; k < ns; ++k)
       prep_segment(P.vc, P.lay.v, segs[k].plane, segs[k].off, segs[k].cnt, segs[k].at, D, vst,
@@ -2273,6 +2287,26 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   }
   if (vperm)  // accumulators back to channel order
     for (int m = 0; m < M; ++m) unpermute_row(acc + (int64_t)m * D, D, vpk);
+
+  // The attention sink: position 0 from the sequence's first block's int8 rows, for the
+  // queries that read it from the pages (the tile loop above left it out).
+  if (sink0) {
+    bool any = false;
+    for (int m = 0; m < M; ++m) {
+      const int i = m / gq;
+      lo[m] = 0;
+      hi[m] = Fq[i] > 0 && (!P.window || pq[i] - P.window + 1 <= 0);
+      any |= hi[m] > 0;
+    }
+    if (any) {
+      const uint8_t* plane = hbase + (int64_t)btrow[0] * P.c_sb;
+      load_int8_row(plane + P.lay.k.sink_off, D, KV);
+      qk_tile(Q, M, KV, 1, D, S);
+      softmax_tile(S, M, 1, lo, hi, mrow, lrow, acc, D, P.softcap_log2);
+      load_int8_row(plane + P.lay.v.sink_off, D, KV);
+      pv_tile(S, M, KV, lo, hi, D, acc);
+    }
+  }
 
   // Staging: query i reads positions [F_i, p_i] in full precision.
   if (T.staging) {

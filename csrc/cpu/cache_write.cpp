@@ -5,6 +5,9 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <utility>
 
 #include <string>
@@ -29,6 +32,13 @@ static_assert((int)IN_F32 == DT_F32 && (int)IN_F16 == DT_F16 && (int)IN_BF16 == 
               "the write kernels number dtypes as the attention kernels (op_checks dtype_of)");
 InDType in_dtype(const at::Tensor& t, const char* what) { return (InDType)dtype_of(t, what); }
 
+// The attention sink's rows: the 8-bit window's row codec (one row per block and side, so
+// the scalar build; every path's bytes are the same).
+constexpr int64_t kWindowScaleBytes = kvq::kWindowScaleBytes;
+namespace sink_rows {
+#include "window_rows_body.h"
+}  // namespace sink_rows
+
 }  // namespace
 
 void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& cache,
@@ -50,8 +60,7 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& cac
   TORCH_CHECK(cache.size(1) == H, "cache has ", cache.size(1), " kv heads, key has ", H);
   const int B = (int)cache.size(2);
   const int64_t C = cache.size(3);
-  check_codec(kc, D, B, "k_codec");
-  check_codec(vc, D, B, "v_codec");
+  check_codecs(kc, vc, D, B);
   SideQ kq{kc, {}}, vq{vc, {}};
   {
     const std::vector<float> kl = codebook(kc, k_levels, "k_levels");
@@ -141,9 +150,17 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& cac
         const int64_t s = slots[i];
         uint8_t* plane = cbase + (s / B) * sb + h * sh;
         const int t = (int)(s % B);
+        // the block's first tokens also go to its sink rows (read for a sequence's
+        // position 0: the kernels take them from its first block only)
+        auto sink = [&] {
+          for (int j = 0; t + j < c.sink && j < rows; ++j)
+            sink_rows::quantize_f32_row_i8(buf.data() + (size_t)j * D, D,
+                                           plane + r.sink_off + (int64_t)(t + j) * kvq::int8_row_bytes(D));
+        };
         if (vec) {
           for (int j = 0; j < rows; ++j)
             write_avx2::load_row(src, i + j, h, D, buf.data() + (size_t)j * D);
+          if (t < c.sink) sink();
           if (rows == 1)
             write_avx2::encode_token_row(q, r, plane, t, buf.data(), D, st[h], codes.data(),
                                          sbuf.data());
@@ -154,6 +171,7 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& cac
         }
         for (int j = 0; j < rows; ++j)
           write_scalar::load_row(src, i + j, h, D, buf.data() + (size_t)j * D);
+        if (t < c.sink) sink();
         if (rows == 1)
           write_scalar::encode_token_row(q, r, plane, t, buf.data(), D, st[h], sbuf.data());
         else

@@ -11,7 +11,8 @@
 //   int  sym          (code - 2^(b-1)) * scale  equals the kernel's fma(code, scale, zero))
 //   nuq               level[code] * scale + zero   (two roundings, as the kernel and the
 //                                                   reference; the build has -ffp-contract=off)
-// then every outlier slot whose channel is below D adds its correction to its channel. Scales and zeros are
+// then every outlier slot whose channel is below D adds its correction to its channel; with
+// an attention sink (_sink) position 0 is the first block's int8 sink row instead. Scales and zeros are
 // fp16 (token, group, channel granularity) or the static per-head fp32 scale (tensor, head).
 //
 // OpenMP over (block, kv head, side); this file is compiled for the baseline target.
@@ -42,6 +43,20 @@ struct Side {
   const float* levels;  // nuq codebook, or nullptr
 };
 
+// Position 0 of a sequence from its first block's sink row (kvq_layout.h int8_row_bytes):
+// codes * scale in fp32, rounded once to the output dtype, as the kernel reads it.
+void store_sink_row(const uint8_t* row, int D, uint8_t* dst, int32_t dtype) {
+  float s;
+  std::memcpy(&s, row + D, sizeof s);
+  const int8_t* codes = (const int8_t*)row;
+  for (int d = 0; d < D; ++d) {
+    const float x = (float)codes[d] * s;
+    if (dtype == DT_F32) ((float*)dst)[d] = x;
+    else if (dtype == DT_BF16) ((uint16_t*)dst)[d] = kvq::float_to_bf16(x);
+    else ((uint16_t*)dst)[d] = out_fp16(x);
+  }
+}
+
 // outs[side] + h * o_sh[side] + position * o_sl[side]: element (h, position) of K / V.
 void run(DecodeRowsFn decode, const Side sides[2], const uint8_t* cache, int64_t c_sb,
          int64_t c_sh, const int32_t* blocks, int nblk, int L, int H, int B, int D,
@@ -62,6 +77,7 @@ void run(DecodeRowsFn decode, const Side sides[2], const uint8_t* cache, int64_t
       uint8_t* dst = outs[side] + (h * o_sh[side] + (int64_t)j * B * o_sl[side]) * elem_bytes;
       decode(sd.c, sd.r, plane, cnt, D, sd.st[h], sd.levels, scratch.data(), dst, dtype,
              o_sl[side]);
+      if (j == 0 && sd.c.sink) store_sink_row(plane + sd.r.sink_off, D, dst, dtype);
     }
   }
 }
@@ -86,8 +102,7 @@ void dequantize_pages(const at::Tensor& cache, const at::Tensor& block_row, int6
               " must be a multiple of 16 in [16, 512]");
   TORCH_CHECK(B % 16 == 0 && B > 0, "block_size ", B, " must be a multiple of 16");
   const Codec kc = to_codec(k_codec, "k_codec"), vc = to_codec(v_codec, "v_codec");
-  check_codec(kc, D, B, "k_codec");
-  check_codec(vc, D, B, "v_codec");
+  check_codecs(kc, vc, D, B);
   const kvq::Layout lay = kvq::make_layout(kc, vc, D, B);
   TORCH_CHECK(C == lay.token_bytes, "cache last dim is ", C, " bytes but this format needs ",
               lay.token_bytes);

@@ -25,6 +25,11 @@ void check_codec(const Codec& c, int D, int B, const char* what) {
   TORCH_CHECK(c.outliers == 0 || c.encoding == kvq::ENC_INT || c.encoding == kvq::ENC_NUQ,
               what, ": outlier slots apply to int and nuq codecs only");
   TORCH_CHECK(c.outliers == 0 || D <= 512, what, ": outlier slots need head_dim <= 512");
+  TORCH_CHECK(c.sink == 0 || c.sink == 1, what, ": sink=", c.sink,
+              " is not allowed; allowed: 0 or 1 (first tokens kept as int8 rows)");
+  TORCH_CHECK(c.sink == 0 || c.encoding == kvq::ENC_INT || c.encoding == kvq::ENC_NUQ, what,
+              ": an attention sink applies to int and nuq codecs only");
+  TORCH_CHECK(c.sink == 0 || D <= 512, what, ": an attention sink needs head_dim <= 512");
   switch (c.encoding) {
     case kvq::ENC_FP16:
     case kvq::ENC_BF16:
@@ -63,6 +68,13 @@ void check_codec(const Codec& c, int D, int B, const char* what) {
   if (c.granularity == kvq::GRAN_CHANNEL)
     TORCH_CHECK(c.group >= 1 && B % c.group == 0, what, ": token group ", c.group,
                 " must divide block_size ", B);
+}
+
+void check_codecs(const Codec& kc, const Codec& vc, int D, int B) {
+  check_codec(kc, D, B, "k_codec");
+  check_codec(vc, D, B, "v_codec");
+  TORCH_CHECK(kc.sink == vc.sink, "k_codec sink=", kc.sink, " and v_codec sink=", vc.sink,
+              " must agree: the attention sink keeps both the key and the value");
 }
 
 std::vector<float> codebook(const Codec& c, const at::Tensor& levels, const char* what) {

@@ -13,6 +13,9 @@ namespace kvq_cpu {
 // (what: the argument's name in the error).
 void check_codec(const kvq::Codec& c, int D, int B, const char* what);
 
+// Both codecs of a format (k_codec, v_codec), and what they must agree on (the sink).
+void check_codecs(const kvq::Codec& kc, const kvq::Codec& vc, int D, int B);
+
 // A nuq codec's codebook (float32 [2^bits], ascending, finite, in [-1, 1]) copied out of its
 // tensor; empty for other codecs.
 std::vector<float> codebook(const kvq::Codec& c, const at::Tensor& levels, const char* what);

@@ -17,7 +17,8 @@ py::dict region_dict(const kvq::Region& r) {
   d["scale_off"] = r.scale_off; d["scale_bytes"] = r.scale_bytes;
   d["zero_off"] = r.zero_off; d["zero_bytes"] = r.zero_bytes;
   d["scale_rows"] = r.scale_rows; d["scale_cols"] = r.scale_cols;
-  d["outlier_off"] = r.outlier_off; d["outlier_bytes"] = r.outlier_bytes; d["end"] = r.end;
+  d["outlier_off"] = r.outlier_off; d["outlier_bytes"] = r.outlier_bytes;
+  d["sink_off"] = r.sink_off; d["sink_bytes"] = r.sink_bytes; d["end"] = r.end;
   return d;
 }
 
