@@ -266,3 +266,16 @@ def test_generic_kernel(emu, name, D):
     args, want = _case(fmt, D, 4, 2, _block(fmt), [1, 19, 1], [150, 40, 0], torch.bfloat16, 4)
     got = _run(emu, fmt, args, force_generic=True)
     assert (got - want).abs().max() <= _tol(torch.bfloat16, want)
+
+
+def test_attention_sink_is_refused(emu):
+    """The CUDA kernels do not read the sink rows yet: _sink formats are refused by name, not
+    written or attended without their position 0."""
+    fmt = parse_format("kivi2_sink")
+    lay = fmt.layout(64, 128)
+    x = torch.randn(128, 2, 64)
+    cache = torch.zeros(2, 2, 128, lay.token_bytes, dtype=torch.uint8)
+    ks, vs = static_scales(fmt, 2, 64)
+    with pytest.raises(RuntimeError, match=r"attention sink \(_sink\) is not implemented"):
+        emu.write_cache(x, x, cache, torch.arange(128), fmt.key.as_ints(), fmt.value.as_ints(),
+                        ks, vs)

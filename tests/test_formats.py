@@ -98,6 +98,30 @@ def test_window_suffix_stays_last():
     assert parse_format("nuq3_lm_rot_w8").codebook == "gaussian"
 
 
+def test_attention_sink_bytes_and_names():
+    """_sink: one int8 row of K and one of V (head_dim + 4 bytes each, 16-byte aligned) per
+    (block, kv head), the rest of the page unchanged (csrc/kvq_layout.h static_asserts:
+    kivi2 48 -> 50, nuq2 52 -> 54 bytes per token at head_dim 64)."""
+    for name, before, after in (("kivi2", 48, 50), ("nuq2", 52, 54), ("kivi4", 80, 82)):
+        f, fs = parse_format(name), parse_format(name + "_sink")
+        lay, lays = f.layout(64, 128), fs.layout(64, 128)
+        assert (lay.token_bytes, lays.token_bytes) == (before, after), name
+        assert (lays.k["sink_bytes"], lays.v["sink_bytes"]) == (68, 68)
+        assert lays.k["data_off"] == lay.k["data_off"] and fs.sink == 1 and f.sink == 0
+        assert sum(lays.fields().values()) + lays.padding == lays.plane_bytes
+        assert fs.bytes_per_token(64, 128)["total"] == after
+        assert fs.with_sink(0) == f and f.with_sink(1) == fs
+    assert parse_format("kivi2_sink").key.describe() == "int2/channel32/+sink"
+    f = parse_format("nuq2_sink_lm_rotv_w8")
+    assert (f.sink, f.codebook, f.rotation, f.window_bits) == (1, "gaussian",
+                                                              "hadamard_values", 8)
+    assert f.with_rotation("hadamard").name == "nuq2_sink_lm_rot_w8"
+    assert f.with_outliers(2).name == "nuq2_o2_sink_lm_rotv_w8"
+    assert f.with_window_bits(16).name == "nuq2_sink_lm_rotv"
+    assert f.with_sink(0).name == "nuq2_lm_rotv_w8"
+    assert parse_format("int4_group32_sink").with_residual(32).name == "int4_group32_r32_sink"
+
+
 @pytest.mark.parametrize("name,D,B,match", [
     ("int5_group32", 128, 128, "bits=5 is not allowed; allowed: 2, 3, 4, 8"),
     ("int4_group48", 128, 128, "group size=48 is not allowed; allowed: 16, 32, 64, 128"),
@@ -119,6 +143,11 @@ def test_window_suffix_stays_last():
                                  "'int4_group32' has none; e.g. kivi4_w8"),
     ("kivi4_w8_w8", 64, 128, "_w8 once, at the end"),
     ("kivi4_w8_rot", 64, 128, r"_w8 goes last \(e.g. kivi2_rot_w8\)"),
+    ("bf16_sink", 64, 128, "an attention sink applies to int and nuq formats"),
+    ("fp8_e4m3_token_sink", 64, 128, "an attention sink applies to int and nuq formats"),
+    ("kivi2_rot_sink", 64, 128, "_sink goes right after the format's own name, once"),
+    ("kivi2_sink_sink", 64, 128, "_sink goes right after the format's own name, once"),
+    ("kivi2_w8_sink", 64, 128, "_sink goes right after the format's own name, once"),
 ])
 def test_bad_formats_say_what_is_allowed(name, D, B, match):
     with pytest.raises(FormatError, match=match):
@@ -141,6 +170,9 @@ def test_bad_formats_say_what_is_allowed(name, D, B, match):
     ({"method": "kivi4_w8", "window_bits": 16}, "kivi4"),
     ({"method": "nuq3_lm_rot", "window_bits": 8}, "nuq3_lm_rot_w8"),
     ({"method": "kivi2_w8", "rotation": "hadamard"}, "kivi2_rot_w8"),
+    ({"method": "kivi", "sink_tokens": 1}, "kivi2_sink"),
+    ({"method": "nuq2_sink_rotv", "sink_tokens": 0}, "nuq2_rotv"),
+    ({"method": "kivi4_w8", "sink_tokens": 1}, "kivi4_sink_w8"),
 ])
 def test_config_maps_to_formats(d, name):
     assert config_from_dict(d).fmt.name == name
@@ -207,6 +239,9 @@ def test_rotation_suffix_keeps_the_rest_of_the_name():
     ({"method": "kivi", "window_bits": 4}, "kvq.window_bits=4 is not allowed; allowed: 16, 8"),
     ({"method": "kivi", "window_bits": True}, "kvq.window_bits=True is not allowed"),
     ({"method": "int4_group32", "window_bits": 8}, "window_bits=8 needs a residual window"),
+    ({"method": "kivi", "sink_tokens": 4}, "kvq.sink_tokens=4 is not allowed; allowed: 0, 1"),
+    ({"method": "kivi", "sink_tokens": True}, "kvq.sink_tokens=True is not allowed"),
+    ({"method": "bf16", "sink_tokens": 1}, "an attention sink applies to int and nuq formats"),
 ])
 def test_bad_config_names_key_value_and_allowed(d, match):
     with pytest.raises(FormatError, match=match):

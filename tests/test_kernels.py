@@ -238,6 +238,30 @@ def test_write_cache_channel_group_errors(bad):
     assert cache.count_nonzero() == 0
 
 
+@pytest.mark.parametrize("k_ints,v_ints,match", [
+    ([4, 2, 5, 32, 0, 0, 1], [4, 2, 4, 32, 0, 0, 0],
+     "k_codec sink=1 and v_codec sink=0 must agree"),
+    ([4, 2, 5, 32, 0, 0, 2], [4, 2, 4, 32, 0, 0, 2],
+     "k_codec: sink=2 is not allowed; allowed: 0 or 1"),
+    ([2, 8, 3, 0, 0, 0, 1], [2, 8, 3, 0, 0, 0, 1], "attention sink applies to int and nuq codecs"),
+    ([4, 2, 5, 32, 0, 0], [4, 2, 4, 32, 0, 0], "k_codec must have 7 ints, got 6"),
+])
+def test_ops_refuse_bad_sink_codecs(k_ints, v_ints, match):
+    """The C++ checks of every CPU op (one definition, op_checks.cpp check_codecs)."""
+    D, B, H = 64, 128, 1
+    cache = torch.zeros(2, H, B, 64, dtype=torch.uint8)
+    x = torch.randn(B, H, D)
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.vllm_kvq.write_cache(x, x, cache, torch.arange(B), k_ints, v_ints,
+                                       torch.ones(H), torch.ones(H), torch.empty(0),
+                                       torch.empty(0))
+    out = x[:10].transpose(0, 1).clone()
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.vllm_kvq.dequantize_pages(cache, torch.zeros(1, dtype=torch.int32), 10,
+                                            k_ints, v_ints, torch.ones(H), torch.ones(H),
+                                            torch.empty(0), torch.empty(0), out, out.clone())
+
+
 def test_write_cache_argument_errors():
     fmt = parse_format("int4_token")
     D, B, H = 64, 16, 2
@@ -651,7 +675,10 @@ WINDOW_CASES = [("bf16", 256, 4, 1, 512, torch.bfloat16),
                 ("kivi2_k16_g16_r32", 64, 3, 2, 32, torch.bfloat16),
                 # 16-token key groups, a window starting mid-group: a tile spans the most
                 # per-channel scale rows (kTileChanRows)
-                ("kivi2_k16_g16_r32", 64, 3, 2, 208, torch.float32)]
+                ("kivi2_k16_g16_r32", 64, 3, 2, 208, torch.float32),
+                # the attention sink: position 0 in some rows' windows and not in others'
+                ("kivi2_sink", 64, 3, 2, 160, torch.float32),
+                ("int4_group32_sink", 256, 4, 1, 512, torch.bfloat16)]
 
 
 @pytest.mark.parametrize("name,D,gq,H,W,dtype", WINDOW_CASES,
@@ -706,7 +733,10 @@ SOFTCAP_CASES = [("bf16", 64, 3, 2, 5.0, 0, torch.float32),
                  ("kivi2", 64, 3, 2, 5.0, 0, torch.float32),
                  ("int8_token", 256, 4, 1, 2.0, 512, torch.float32),
                  ("nuq3", 256, 4, 1, 5.0, 512, torch.bfloat16),
-                 ("fp8_e4m3", 128, 2, 2, 50.0, 0, torch.float32)]
+                 ("fp8_e4m3", 128, 2, 2, 50.0, 0, torch.float32),
+                 # the sink's position 0 is left out of the pages' tile after capping
+                 ("kivi2_sink", 64, 3, 2, 5.0, 0, torch.float32),
+                 ("int4_group32_sink", 128, 4, 2, 2.0, 512, torch.bfloat16)]
 
 
 @pytest.mark.parametrize("name,D,gq,H,cap,W,dtype", SOFTCAP_CASES,
@@ -932,10 +962,11 @@ def test_attention_nan_token_isolated(name):
         assert_attn_close(out, ref, torch.float32, what=f"{name} {path}")
 
 
-def test_attention_split_long_context():
+@pytest.mark.parametrize("name", ["int4_group32", "int4_group32_sink"])
+def test_attention_split_long_context(name):
     """Few (sequence, head) tasks and long contexts: the flash-decoding split + log-sum-exp
-    reduction; also a decode whose last block is partially filled."""
-    name = "int4_group32"
+    reduction (the attention sink in the first part only); also a decode whose last block
+    is partially filled."""
     c = build_case(name, 128, 32, gq=4, H=1, dtype=torch.float32,
                    seqs=[(2113, 1), (1500, 2)], seed=21)
     ref = run_refs(c)

@@ -154,8 +154,9 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& cac
         // position 0: the kernels take them from its first block only)
         auto sink = [&] {
           for (int j = 0; t + j < c.sink && j < rows; ++j)
-            sink_rows::quantize_f32_row_i8(buf.data() + (size_t)j * D, D,
-                                           plane + r.sink_off + (int64_t)(t + j) * kvq::int8_row_bytes(D));
+            sink_rows::quantize_f32_row_i8(
+                buf.data() + (size_t)j * D, D,
+                plane + r.sink_off + (int64_t)(t + j) * kvq::int8_row_bytes(D));
         };
         if (vec) {
           for (int j = 0; j < rows; ++j)

@@ -26,7 +26,7 @@ inline std::string make_side(const kvq::Codec& c, const kvq::Region& r, int head
   if (c.encoding == kvq::ENC_NUQ) return "nuq codebooks are not implemented by the CUDA kernels";
   if (kind < 0) return "unsupported encoding/bits " + std::to_string(c.encoding) + "/" + std::to_string(c.bits);
   if (c.outliers) return "outlier slots are not implemented yet";
-  if (c.sink) return "the attention sink (_sink formats) is not implemented by the CUDA kernels yet";
+  if (c.sink) return "the attention sink (_sink) is not implemented by the CUDA kernels yet";
   const bool flt = kind == KIND_F16 || kind == KIND_BF16;
   if (flt && c.granularity != kvq::GRAN_NONE) what = "float formats take no scale";
   if (!flt && c.granularity == kvq::GRAN_NONE) what = "quantized formats need a granularity";
