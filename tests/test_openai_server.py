@@ -157,3 +157,7 @@ def test_serve_flags_reach_the_kvq_config():
     assert json.loads(cmd[cmd.index("--additional-config") + 1]) == {"kvq": kvq}
     with pytest.raises(FormatError, match="kvq.window_bits=4 is not allowed"):
         serve_command("/model", {"method": "kivi4", "window_bits": 4}, [])
+    args, _ = build_parser().parse_known_args(["serve", "--kv-sink-tokens", "1"])
+    assert kvq_from_flags(args) == {"method": "kivi2", "sink_tokens": 1}
+    with pytest.raises(FormatError, match="kvq.sink_tokens=2 is not allowed; allowed: 0, 1"):
+        serve_command("/model", {"method": "kivi2", "sink_tokens": 2}, [])

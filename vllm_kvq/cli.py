@@ -10,7 +10,7 @@ from vllm_kvq.formats import EXAMPLE_NAMES, FormatError, KVFormat, parse_format
 
 LISTED = EXAMPLE_NAMES + ("fp8_e5m2_token", "int3_group32",
                           "int2_token", "int4_group32_sym", "int4_group32_rot",
-                          "int4_token_rot", "kivi2_w8", "kivi4_w8")
+                          "int4_token_rot", "kivi2_w8", "kivi4_w8", "kivi2_sink", "nuq2_sink")
 
 
 def format_row(fmt: KVFormat, head_dim: int, block_size: int) -> dict:
@@ -21,6 +21,7 @@ def format_row(fmt: KVFormat, head_dim: int, block_size: int) -> dict:
         "value": fmt.value.describe(),
         "residual_tokens": fmt.residual_tokens,
         "window_bits": fmt.window_bits if fmt.residual_tokens else 0,
+        "sink_tokens": fmt.sink,
         "rotation": fmt.rotation,
         "codebook": fmt.codebook if fmt.needs_levels else "-",
         "bits_per_value": round(fmt.bits_per_value(head_dim, block_size), 4),
@@ -53,10 +54,11 @@ def cmd_formats(args) -> int:
     print(f"head_dim={args.head_dim} block_size={args.block_size}; bytes per token per kv "
           f"head, scales/zero-points/padding included; residual window is per sequence")
     cols = [("name", 22), ("key", 16), ("value", 16), ("residual_tokens", 8),
-            ("window_bits", 6), ("rotation", 15),
+            ("window_bits", 6), ("sink_tokens", 4), ("rotation", 15),
             ("codebook", 10), ("bits_per_value", 8), ("k_bytes_per_token", 8), ("v_bytes_per_token", 8),
             ("bytes_per_token", 8), ("ratio_vs_bf16", 8)]
-    heads = {"residual_tokens": "resid", "window_bits": "w bits", "bits_per_value": "bits/val",
+    heads = {"residual_tokens": "resid", "window_bits": "w bits", "sink_tokens": "sink",
+             "bits_per_value": "bits/val",
              "k_bytes_per_token": "K B/tok", "v_bytes_per_token": "V B/tok",
              "bytes_per_token": "B/tok", "ratio_vs_bf16": "x bf16"}
     print("  ".join(heads.get(c, c).ljust(w) for c, w in cols))
@@ -71,6 +73,7 @@ SERVE_FLAGS = {  # friendly flag -> kvq config key
     "--kv-key-granularity": "key_granularity", "--kv-value-granularity": "value_granularity",
     "--kv-residual-tokens": "residual_tokens", "--kv-calibration": "calibration",
     "--kv-rotation": "rotation", "--kv-window-bits": "window_bits",
+    "--kv-sink-tokens": "sink_tokens",
 }
 
 
@@ -213,8 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "SmolLM2-135M-Instruct, prepared locally).")
     for flag, key in SERVE_FLAGS.items():
         s.add_argument(flag, dest=key, default="kivi2" if key == "method" else None,
-                       type=int if key in ("bits", "group_size", "residual_tokens", "window_bits")
-                       else str)
+                       type=int if key in ("bits", "group_size", "residual_tokens", "window_bits",
+                                           "sink_tokens") else str)
     s.set_defaults(func=cmd_serve)
     from vllm_kvq.tools.compare.cli import add_arguments as compare_arguments
     c = sub.add_parser("compare", help="every method through the real vLLM engine, side by "

@@ -95,6 +95,7 @@ def kv_summary(vllm_config) -> dict[str, Any]:
             "residual_tokens": fmt.residual_tokens,
             "residual_bytes_per_seq": fmt.residual_bytes_per_seq(layers, heads, head_dim),
             "window_bits": fmt.window_bits,
+            "sink_tokens": fmt.sink,
             "window_blocks_per_seq": window_blocks,
             "window_bytes_per_seq": window_per_seq,
             # if every sequence slot ran at once; memory follows the sequences that run
