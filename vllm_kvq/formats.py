@@ -31,6 +31,10 @@ Names (`parse_format`):
             _lm before _rot/_rotv (calibration-free Lloyd-Max codebooks for Gaussian values,
             vllm_kvq.gaussian_codebook: meant with _rot, e.g. nuq3_lm_rot);
             kivi also takes _k{G} (key token group) and _g{g} (value channel group);
+            _sink right after the format's own name (int and nuq formats): the first token
+            of a sequence also kept as an int8 row in every block's page and read for
+            position 0 (the attention sink; kvq_layout.h Region.sink_*), e.g. kivi2_sink,
+            nuq2_sink_rotv;
             _w8 last (formats with a residual window): the window stored as int8 with a
             float32 scale per token, K/V and kv head instead of 16 bits (half its memory;
             vllm_kvq.residual.window_dtype has the measurement), e.g. kivi4_w8
@@ -525,7 +529,8 @@ def parse_format(name: str) -> KVFormat:
         f"[_sym][_o<N>][_r<R>], nuq{{2,3,4}}[_{{token|group<g>|channel<G>}}][_o<N>][_r<R>], "
         f"kivi{{2,4}}[_k<G>][_g<g>][_r<R>], each optionally ending in _rot (Hadamard "
         f"rotation of keys and values) or _rotv (of values only); nuq: _lm_rot for "
-        f"calibration-free codebooks; with a residual window, _w8 last stores it in 8 bits — "
+        f"calibration-free codebooks; int and nuq: _sink first keeps the first token as int8; "
+        f"with a residual window, _w8 last stores it in 8 bits — "
         f"e.g. "
         f"{', '.join(EXAMPLE_NAMES)}, nuq3, int4_token_o1, nuq3_group32_o1, int4_group32_rot, "
-        f"nuq3_lm_rot, kivi4_w8")
+        f"nuq3_lm_rot, kivi2_sink, kivi4_w8")
