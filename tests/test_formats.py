@@ -107,7 +107,10 @@ def test_attention_sink_bytes_and_names():
         lay, lays = f.layout(64, 128), fs.layout(64, 128)
         assert (lay.token_bytes, lays.token_bytes) == (before, after), name
         assert (lays.k["sink_bytes"], lays.v["sink_bytes"]) == (68, 68)
-        assert lays.k["data_off"] == lay.k["data_off"] and fs.sink == 1 and f.sink == 0
+        # K and V fields where they are without the sink (the sink rows go last)
+        assert {k: v for k, v in lays.v.items() if "sink" not in k} == \
+            {k: v for k, v in lay.v.items() if "sink" not in k} and fs.sink == 1 and f.sink == 0
+        assert lays.k["sink_off"] == lay.v["end"]
         assert sum(lays.fields().values()) + lays.padding == lays.plane_bytes
         assert fs.bytes_per_token(64, 128)["total"] == after
         assert fs.with_sink(0) == f and f.with_sink(1) == fs
