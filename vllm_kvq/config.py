@@ -93,6 +93,15 @@ def _int_key(d: dict, key: str, default=None) -> int | None:
     return int(v)
 
 
+def _int_choice(d: dict, key: str, allowed: tuple, meaning: str) -> int | None:
+    """d[key] when given: one of `allowed` (ints; true/false are not), else FormatError."""
+    v = d.get(key)
+    if v is not None and (isinstance(v, bool) or v not in allowed):
+        raise FormatError(f"kvq.{key}={v!r} is not allowed; allowed: "
+                          f"{', '.join(map(str, allowed))} ({meaning})")
+    return v
+
+
 def _bool_key(d: dict, key: str) -> bool | None:
     v = d.get(key)
     if v is None or isinstance(v, bool):
@@ -180,22 +189,14 @@ def config_from_dict(d: dict | None, head_dim: int | None = None) -> KVQConfig:
                                   f"{', '.join(ROTATIONS)}")
             if rot != fmt.rotation:
                 fmt = fmt.with_rotation(rot)
-        wb = d.get("window_bits")
-        if wb is not None:
-            if isinstance(wb, bool) or wb not in WINDOW_BITS:
-                raise FormatError(f"kvq.window_bits={wb!r} is not allowed; allowed: "
-                                  f"{', '.join(map(str, WINDOW_BITS))} (bits per stored value "
-                                  f"of the residual window)")
-            if wb != fmt.window_bits:
-                fmt = fmt.with_window_bits(wb)
-        sink = d.get("sink_tokens")
-        if sink is not None:
-            if isinstance(sink, bool) or sink not in SINK_TOKENS:
-                raise FormatError(f"kvq.sink_tokens={sink!r} is not allowed; allowed: "
-                                  f"{', '.join(map(str, SINK_TOKENS))} (first tokens kept as "
-                                  f"int8 rows beside the pages)")
-            if sink != fmt.sink:
-                fmt = fmt.with_sink(sink)
+        wb = _int_choice(d, "window_bits", WINDOW_BITS,
+                         "bits per stored value of the residual window")
+        if wb is not None and wb != fmt.window_bits:
+            fmt = fmt.with_window_bits(wb)
+        sink = _int_choice(d, "sink_tokens", SINK_TOKENS,
+                           "first tokens kept as int8 rows beside the pages")
+        if sink is not None and sink != fmt.sink:
+            fmt = fmt.with_sink(sink)
     except (FormatError, TypeError, ValueError) as e:
         raise FormatError(f"kvq.method={method!r}: {e}") from None
     p = d.get("outlier_fraction")
