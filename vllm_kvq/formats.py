@@ -60,8 +60,8 @@ NUQ_BITS = (2, 3, 4)
 CHANNEL_GROUPS = (16, 32, 64, 128)
 MAX_OUTLIERS = 64
 # Attention-sink tokens a format may keep (first tokens of a sequence, as int8 rows in
-# every block's page: csrc/kvq_layout.h Region.sink_*); one measured as well as four
-# (reports/rotation/session25-sink)
+# every block's page: csrc/kvq_layout.h Region.sink_*): 0 or 1, as four sink tokens
+# measured no better than one (reports/rotation/session25-sink)
 SINK_TOKENS = (0, 1)
 SUPPORTED_HEAD_SIZES = (64, 80, 96, 112, 128, 192, 256)
 KIVI_DEFAULT_GROUP = 32
