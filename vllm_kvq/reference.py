@@ -459,10 +459,9 @@ def read_block(cache: torch.Tensor, block: int, head: int, fmt: KVFormat, layout
 def read_sink(cache: torch.Tensor, block: int, head: int, layout: Layout) -> tuple:
     """The sink rows (K, V) of one plane as float32 [sink, D]: codes * scale."""
     plane = _planes(cache)[block, head]
-    D = layout.head_dim
 
     def rows(r):
-        raw = _field(plane, r["sink_off"], r["sink_bytes"]).reshape(-1, D + 4)
+        raw = _field(plane, r["sink_off"], r["sink_bytes"]).reshape(1, r["sink_bytes"])
         return dequantize_window_rows(raw, torch.float32)
     return rows(layout.k), rows(layout.v)
 

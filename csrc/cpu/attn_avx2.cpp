@@ -3,6 +3,10 @@
 #include <math.h>
 #include <string.h>
 
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
 #include "attn_common.h"
 
 #pragma GCC push_options

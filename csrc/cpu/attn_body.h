@@ -1641,14 +1641,11 @@ static inline void qk_block(const float* Q, const float* K, int nt, int D, float
     for (int ti = 0; ti < nt && ti < TB; ++ti) S[mi * SL + ti] = tmp[mi * TB + ti];
 }
 
-// One int8 row (the attention sink's: kvq_layout.h int8_row_bytes) -> D floats codes * scale
-// (a non-finite scale gives NaN, like vllm_kvq.residual.dequantize_window_rows).
-static inline void load_int8_row(const uint8_t* row, int D, float* out) {
-  float s;
-  memcpy(&s, row + D, sizeof s);
-  const int8_t* codes = (const int8_t*)row;
-  for (int d = 0; d < D; ++d) out[d] = (float)codes[d] * s;
-}
+// The attention sink's int8 rows are read by window_rows_body.h's dequantize_row_i8_f32.
+namespace sink_row {
+#include "window_rows_body.h"
+}  // namespace sink_row
+using sink_row::dequantize_row_i8_f32;
 
 static void qk_tile(const float* Q, int M, const float* K, int nt, int D, float* S) {
   int m = 0;
@@ -2300,10 +2297,10 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
     }
     if (any) {
       const uint8_t* plane = hbase + (int64_t)btrow[0] * P.c_sb;
-      load_int8_row(plane + P.lay.k.sink_off, D, KV);
+      dequantize_row_i8_f32(plane + P.lay.k.sink_off, D, KV);
       qk_tile(Q, M, KV, 1, D, S);
       softmax_tile(S, M, 1, lo, hi, mrow, lrow, acc, D, P.softcap_log2);
-      load_int8_row(plane + P.lay.v.sink_off, D, KV);
+      dequantize_row_i8_f32(plane + P.lay.v.sink_off, D, KV);
       pv_tile(S, M, KV, lo, hi, D, acc);
     }
   }

@@ -5,6 +5,10 @@
 #include <math.h>
 #include <string.h>
 
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
 #include "attn_common.h"
 
 namespace kvq_cpu {

@@ -34,7 +34,6 @@ InDType in_dtype(const at::Tensor& t, const char* what) { return (InDType)dtype_
 
 // The attention sink's rows: the 8-bit window's row codec (one row per block and side, so
 // the scalar build; every path's bytes are the same).
-constexpr int64_t kWindowScaleBytes = kvq::kWindowScaleBytes;
 namespace sink_rows {
 #include "window_rows_body.h"
 }  // namespace sink_rows

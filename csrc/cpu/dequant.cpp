@@ -18,6 +18,8 @@
 // OpenMP over (block, kv head, side); this file is compiled for the baseline target.
 #include <omp.h>
 
+#include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <vector>
 
@@ -43,14 +45,17 @@ struct Side {
   const float* levels;  // nuq codebook, or nullptr
 };
 
+namespace sink_row {
+#include "window_rows_body.h"
+}  // namespace sink_row
+
 // Position 0 of a sequence from its first block's sink row (kvq_layout.h int8_row_bytes):
 // codes * scale in fp32, rounded once to the output dtype, as the kernel reads it.
 void store_sink_row(const uint8_t* row, int D, uint8_t* dst, int32_t dtype) {
-  float s;
-  std::memcpy(&s, row + D, sizeof s);
-  const int8_t* codes = (const int8_t*)row;
+  float f[512];  // D <= 512 (dequantize_pages checks it)
+  sink_row::dequantize_row_i8_f32(row, D, f);
   for (int d = 0; d < D; ++d) {
-    const float x = (float)codes[d] * s;
+    const float x = f[d];
     if (dtype == DT_F32) ((float*)dst)[d] = x;
     else if (dtype == DT_BF16) ((uint16_t*)dst)[d] = kvq::float_to_bf16(x);
     else ((uint16_t*)dst)[d] = out_fp16(x);
