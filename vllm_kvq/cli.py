@@ -10,7 +10,8 @@ from vllm_kvq.formats import EXAMPLE_NAMES, FormatError, KVFormat, parse_format
 
 LISTED = EXAMPLE_NAMES + ("fp8_e5m2_token", "int3_group32",
                           "int2_token", "int4_group32_sym", "int4_group32_rot",
-                          "int4_token_rot", "kivi2_w8", "kivi4_w8", "kivi2_sink", "nuq2_sink")
+                          "int4_token_rot", "kivi2_w8", "kivi4_w8", "kivi2_sink", "nuq2_sink",
+                          "kivi2_sink_rot", "nuq2_o0_sink_rot")
 
 
 def format_row(fmt: KVFormat, head_dim: int, block_size: int) -> dict:
