@@ -86,6 +86,17 @@ def assert_within(cmp: dict, bounds: tuple, min_positions: int = 0) -> None:
     assert abs(cmp["ppl_change"]) <= max_ppl, cmp
 
 
+def assert_size_bar(method: str, head_dim: int, bar: tuple) -> None:
+    """A format within a size bar of the rotation issue (#14): (max bits per value at
+    128-token blocks, max tokens kept in 16-bit precision: its residual window unless _w8)."""
+    from vllm_kvq.formats import parse_format
+
+    fmt, (max_bits, max_window) = parse_format(method), bar
+    assert fmt.bits_per_value(head_dim, 128) <= max_bits, (method, fmt.bits_per_value(
+        head_dim, 128))
+    assert (fmt.residual_tokens if fmt.window_bits == 16 else 0) <= max_window, method
+
+
 def assert_same_up_to_ties(got, want, margins, tie_nats):
     """Per sequence, `got`'s greedy tokens equal `want`'s until, if ever, a step where
     `want`'s top two log-probs (`margins`) were less than `tie_nats` apart."""

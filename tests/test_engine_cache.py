@@ -8,7 +8,7 @@ import json
 import math
 
 import pytest
-from conftest import assert_same_up_to_ties, assert_within, grid
+from conftest import assert_same_up_to_ties, assert_size_bar, assert_within, grid
 from conftest import run_engine as run
 
 from vllm_kvq.tools.evaluate import compare_runs
@@ -65,7 +65,7 @@ QUALITY = {
     "nuq2_o0_sink_rot": (0.06, 0.94, 0.08),
 }
 # The rotation issue's bars by size: method -> (max bits per value at 128-token blocks, max
-# tokens kept in full precision)
+# tokens kept in full precision); conftest.assert_size_bar
 SIZE_BARS = {"kivi4_w8": (5.0, 0), "nuq2_o0_sink_rot": (3.25, 32)}
 
 
@@ -110,9 +110,7 @@ def test_quality_against_bf16(method):
     print(method, json.dumps(cmp))
     assert_within(cmp, QUALITY[method], min_positions=2000)
     if method in SIZE_BARS:
-        fmt, (max_bits, max_window) = parse_format(method), SIZE_BARS[method]
-        assert fmt.bits_per_value(SMOL["head_dim"], 128) <= max_bits
-        assert (fmt.residual_tokens if fmt.window_bits == 16 else 0) <= max_window
+        assert_size_bar(method, SMOL["head_dim"], SIZE_BARS[method])
 
 
 def expected_capacity(method: str, layers: int = SMOL["layers"]) -> int:

@@ -7,7 +7,7 @@ sliding window, so its layers drop the oldest keys within every window.
 import json
 
 import pytest
-from conftest import assert_same_up_to_ties, assert_within, grid
+from conftest import assert_same_up_to_ties, assert_size_bar, assert_within, grid
 from conftest import run_engine as run
 from test_engine_cache import CHUNKED, PREFIX_TIE_NATS, SPEC_RUN, check_speculative
 
@@ -56,6 +56,8 @@ def test_our_bf16_is_vllm_bf16_on_gemma3():
 QUALITY = {"fp8_e4m3": (0.01, 0.99, 0.015), "int8_token": (0.01, 0.99, 0.015),
            "int4_group32": (0.09, 0.92, 0.10), "kivi2": (0.12, 0.90, 0.15),
            "nuq3": (0.02, 0.985, 0.04), "nuq2_sink": (0.07, 0.93, 0.08)}
+# (max bits per value, max 16-bit window tokens), as tests/test_engine_cache.py SIZE_BARS
+SIZE_BARS = {"nuq2_sink": (3.25, 32)}
 
 
 @pytest.mark.parametrize("method", list(QUALITY))
@@ -68,9 +70,8 @@ def test_quantized_cache_on_gemma3_quality_and_capacity(method):
     # vLLM's block count at vLLM's default max_num_seqs: the layout's ratio, window included
     assert other["capacity_tokens"] / base["capacity_tokens"] == pytest.approx(
         parse_format(method).ratio_vs_bf16(HEAD_DIM, 128), rel=0.02)
-    if method == "nuq2_sink":
-        fmt = parse_format(method)
-        assert fmt.bits_per_value(HEAD_DIM, 128) <= 3.25 and fmt.residual_tokens <= 32
+    if method in SIZE_BARS:
+        assert_size_bar(method, HEAD_DIM, SIZE_BARS[method])
 
 
 def test_prefix_caching_does_not_change_outputs_on_gemma3():
