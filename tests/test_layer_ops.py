@@ -72,6 +72,33 @@ def test_bound_ops_with_codebooks():
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("name", ["kivi2_sink_rot", "int4_group32_r64_rotv"])
+def test_a_window_kept_rotated_reads_and_writes_as_before(name):
+    """The backend rotates a rotated format's new rows once (rotate_rows) and keeps its window
+    rotated: attention over those staging rows and chunks quantized from them are what the
+    unrotated rows give (bit for bit in fp32, where rotating is the same op either way)."""
+    fmt = parse_format(name)
+    D, Hq, H, B = 64, 6, 2, 128
+    case = attention_case(fmt, D, Hq, H, B, qlens=[1, 40, 1], ctx=[300, 0, 150],
+                          dtype=torch.float32, seed=4)
+    bound = ops.LayerOps(fmt, H, D, torch.device("cpu"))
+    st = (case["ssl"], case["sp0"])
+    args = (case["q"], case["cache"], case["bt"], case["sl"], case["qsl"], case["scale"])
+    want = bound.attend(*args, torch.zeros_like(case["q"]), case["sk"], case["sv"], *st)
+    sk, sv = bound.rotate_rows(case["sk"], case["sv"])
+    assert not torch.equal(sv, case["sv"])
+    got = bound.attend(*args, torch.zeros_like(case["q"]), sk, sv, *st, staging_rotated=True)
+    assert torch.equal(got, want)
+
+    g = torch.Generator().manual_seed(6)
+    k, v = torch.randn(64, H, D, generator=g), torch.randn(64, H, D, generator=g)
+    slots = torch.arange(B * 2, B * 2 + 64, dtype=torch.int64)
+    c1, c2 = case["cache"].clone(), case["cache"].clone()
+    bound.write(k, v, c1, slots)
+    bound.write(*bound.rotate_rows(k, v), c2, slots, rotated=True)
+    assert torch.equal(c1, c2) and not torch.equal(c1, case["cache"])
+
+
 def test_bind_time_errors_name_the_problem():
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="head_dim=48 is not allowed"):

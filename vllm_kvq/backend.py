@@ -266,11 +266,14 @@ class KVQAttentionImpl(AttentionImpl[KVQMetadata]):
             window = get_forward_context().attn_metadata[self.window.layer_name]
             if md.plan is None:
                 md.plan_window(window, query.device)
+            # a rotated format's window keeps its rows rotated: the step's tokens are
+            # rotated once here, not the whole window every step
+            k, v = lops.rotate_rows(k, v)
             st_k, st_v = stage_and_write(md, k, v, self.window.rows,
                                          window.addresses_of(md, self.window.rows_per_block),
-                                         lambda sk, sv, slots: lops.write(sk, sv, kv_cache,
-                                                                          slots))
+                                         lambda sk, sv, slots: lops.write(
+                                             sk, sv, kv_cache, slots, rotated=True))
             lops.attend(query[:n], kv_cache, md.block_table, md.seq_lens, md.query_start_loc,
                         self.scale, output[:n], st_k, st_v, md.staging_start_loc,
-                        md.staging_pos0, split=md.split)
+                        md.staging_pos0, split=md.split, staging_rotated=True)
         return output

@@ -17,7 +17,10 @@ nuq codecs need their layer's codebooks: k_levels / v_levels, float32 [2^bits] a
 Rotated formats (fmt.rotation = "hadamard", vllm_kvq.rotation) are rotated here, around
 the kernels: writes quantize K R and V R (rotated in float32), attention rotates the query
 and the staging rows and rotates the output back ("hadamard_values": V R only, the value
-staging rows, the output back). The kernels themselves never see it. On
+staging rows, the output back). The kernels themselves never see it. With a residual
+window the serving path rotates each step's new rows once instead (LayerOps.rotate_rows)
+and keeps the window rotated, so its staging rows and the chunks quantized from them are
+not rotated again (in the model's dtype: bf16 rows are rounded once after rotating). On
 the CPU each rotation is one pass of torch.ops.vllm_kvq.hadamard (bit-identical to
 rotation.rotate / unrotate); on CUDA one fp32 product with rotation.matrix.
 """
@@ -385,10 +388,21 @@ class LayerOps:
         self.rotated = fmt.rotation != "none"
         self.rotate_keys = rotation.rotates_keys(fmt.rotation)
 
+    def rotate_rows(self, key: torch.Tensor, value: torch.Tensor):
+        """A rotated format's new key/value rows [N, H, D] as it stores them, in their dtype
+        (keys as given for a values-only rotation); the rows as given for other formats.
+        The backend rotates a step's tokens once with this when the format has a residual
+        window: the window keeps its rows rotated, so neither the staging rows read every
+        step nor the chunks quantized from them are rotated again (`rotated=True` below)."""
+        if not self.rotated:
+            return key, value
+        return (rotate(key) if self.rotate_keys else key), rotate(value)
+
     def write(self, key: torch.Tensor, value: torch.Tensor, cache: torch.Tensor,
-              slot_mapping: torch.Tensor) -> None:
-        """Quantize key/value [N, H, D] into their slots (N = len(slot_mapping))."""
-        if self.rotated:
+              slot_mapping: torch.Tensor, rotated: bool = False) -> None:
+        """Quantize key/value [N, H, D] into their slots (N = len(slot_mapping)); rotated:
+        the rows come from rotate_rows (a rotated format then quantizes them as they are)."""
+        if self.rotated and not rotated:
             key, value = rotation.for_cache(key, value, self.rotate_keys, rot=rotate)
         self._ops.write_cache(key, value, cache, slot_mapping, self.k_codec, self.v_codec,
                               self.k_scale, self.v_scale, self.k_levels, self.v_levels)
@@ -398,8 +412,10 @@ class LayerOps:
                out: torch.Tensor, staging_k: torch.Tensor | None = None,
                staging_v: torch.Tensor | None = None,
                staging_start_loc: torch.Tensor | None = None,
-               staging_pos0: torch.Tensor | None = None, split=None) -> torch.Tensor:
+               staging_pos0: torch.Tensor | None = None, split=None,
+               staging_rotated: bool = False) -> torch.Tensor:
         """paged_attention's semantics; out [T, Hq, D] is written in place.
+        staging_rotated: the staging rows come from rotate_rows (not rotated again).
 
         split (vllm_kvq.prefill.Split, CPU only): sequences [0, split.num_decodes) go to the
         paged kernel, the long prefills after them to the flash path (vllm_kvq.prefill);
@@ -409,8 +425,11 @@ class LayerOps:
             return self._attend(query, cache, block_table, seq_lens, query_start_loc,
                                 softmax_scale, out, staging_k, staging_v, staging_start_loc,
                                 staging_pos0, split)
-        query, staging_k, staging_v = rotation.for_attention(query, staging_k, staging_v,
-                                                             self.rotate_keys, rot=rotate)
+        if staging_rotated or staging_k is None:
+            query = rotate(query) if self.rotate_keys else query
+        else:
+            query, staging_k, staging_v = rotation.for_attention(
+                query, staging_k, staging_v, self.rotate_keys, rot=rotate)
         o = self._attend(query, cache, block_table, seq_lens, query_start_loc, softmax_scale,
                          torch.empty_like(query), staging_k, staging_v, staging_start_loc,
                          staging_pos0, split)

@@ -20,7 +20,8 @@ query and key staging rows are not rotated, the output still is.
 Applied around the kernels by vllm_kvq.ops (write rotates K/V before quantizing; attend
 rotates the query and the full-precision staging rows and un-rotates the output), and the
 same way in vllm_kvq.reference: every attention kernel (CPU paths, CUDA) sees ordinary
-inputs.
+inputs. The serving path keeps a residual window's rows rotated (ops.LayerOps.rotate_rows):
+a step rotates its new tokens once, not the window's rows every step.
 """
 from __future__ import annotations
 
