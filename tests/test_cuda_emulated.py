@@ -268,14 +268,67 @@ def test_generic_kernel(emu, name, D):
     assert (got - want).abs().max() <= _tol(torch.bfloat16, want)
 
 
-def test_attention_sink_is_refused(emu):
-    """The CUDA kernels do not read the sink rows yet: _sink formats are refused by name, not
-    written or attended without their position 0."""
-    fmt = parse_format("kivi2_sink")
-    lay = fmt.layout(64, 128)
-    x = torch.randn(128, 2, 64)
-    cache = torch.zeros(2, 2, 128, lay.token_bytes, dtype=torch.uint8)
-    ks, vs = static_scales(fmt, 2, 64)
-    with pytest.raises(RuntimeError, match=r"attention sink \(_sink\) is not implemented"):
-        emu.write_cache(x, x, cache, torch.arange(128), fmt.key.as_ints(), fmt.value.as_ints(),
-                        ks, vs)
+SINK_FORMATS = ["kivi2_sink", "int4_group32_sink", "int3_token_sink"]
+
+
+def _sink_tokens(D, H):
+    """K/V of a sequence whose first token is an attention sink: a large key along every
+    query (so it takes much of each row's weight) and a large value; 2-bit codes of that
+    token differ visibly from its int8 sink row."""
+    def tokens(s, L):
+        g = torch.Generator().manual_seed(100 + s)
+        k = torch.randn(L, H, D, generator=g) * 1.5
+        v = torch.randn(L, H, D, generator=g)
+        k[0] = torch.linspace(-6, 9, D) + torch.randn(H, D, generator=g)
+        v[0] = torch.linspace(8, -5, D)
+        return k, v
+    return tokens
+
+
+@pytest.mark.parametrize("name", SINK_FORMATS)
+def test_write_cache_sink_rows_byte_identical(emu, name):
+    """Tokens at a block's offset 0 also go to the sink rows (int8 codes + float32 scale,
+    quantize_window_rows), with the non-finite rules: NaN wins the max, inf stores codes 0."""
+    fmt = parse_format(name)
+    D, H, B, nb = 64, 3, _block(fmt), 5
+    lay = fmt.layout(D, B)
+    G = max([c.group for c in (fmt.key, fmt.value) if c.granularity == "channel"] or [1])
+    slots = torch.cat([torch.arange(G) + 2 * B, torch.arange(2 * G) + 4 * B,
+                       torch.arange(G) + B + G])  # two first tokens, one not
+    N = slots.numel()
+    g = torch.Generator().manual_seed(9)
+    for dt in (torch.bfloat16, torch.float32):
+        k = torch.randn(N, H, D, generator=g) * 3
+        v = torch.randn(N, H, D, generator=g)
+        k[G, 1, 5] = float("nan")   # slot 4B: a sink row with a NaN (bf16: torch's 0xFFFF)
+        v[0, 2, 7] = float("inf")   # slot 2B: an infinite value
+        k[0, 0] = 0.0               # an all-zero row: scale 1
+        k, v = k.to(dt), v.to(dt)
+        want = torch.zeros(nb, H, B, lay.token_bytes, dtype=torch.uint8)
+        ref.write_cache(k, v, want, slots, fmt, lay)
+        got = torch.zeros_like(want)
+        assert emu.write_cache(k, v, got, slots, fmt.key.as_ints(), fmt.value.as_ints(),
+                               torch.ones(1), torch.ones(1)) == 0
+        assert torch.equal(got, want), f"{dt}: {(got != want).sum().item()} bytes differ"
+        sink = want.view(nb, H, -1)[:, :, lay.k["sink_off"]:]
+        assert sink[2].any() and sink[4].any() and not sink[1].any()
+
+
+@pytest.mark.parametrize("name", SINK_FORMATS)
+@pytest.mark.parametrize("generic", [False, True], ids=["decode", "generic"])
+def test_attention_reads_the_sink(emu, name, generic):
+    """Position 0 from the first block's sink rows: decodes (split-KV partitions, the sink on
+    the staging CTA, with and without a residual window), a prefill chunk and a fresh
+    prompt (generic kernel), against the reference; the same data read without the sink
+    would be off by more than the tolerance."""
+    fmt = parse_format(name)
+    D, Hq, H = 64, 6, 2
+    c = attention_case(fmt, D, Hq, H, _block(fmt), [1, 24, 1, 1], [300, 70, 129, 0],
+                       torch.bfloat16, 6, spare_blocks=2, tokens=_sink_tokens(D, H))
+    plain = parse_format(name.replace("_sink", ""))  # the same pages read without the sink
+    no_sink = ref.paged_attention(c["q"], c["cache"], c["bt"], c["sl"], c["qsl"], plain,
+                                  c["lay"], c["scale"], None, None, c["sk"], c["sv"],
+                                  c["ssl"], c["sp0"]).float()
+    assert (no_sink - c["expected"]).abs().max() > 4 * _tol(torch.bfloat16, c["expected"])
+    got = _run(emu, fmt, c, force_generic=generic, part_tokens=64)
+    assert (got - c["expected"]).abs().max() <= _tol(torch.bfloat16, c["expected"])

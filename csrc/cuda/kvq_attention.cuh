@@ -11,6 +11,7 @@
 // Residual staging: pass A reads positions < F(p+1) from the pages, pass B positions in
 // [F(p+1), p] from the staging tensors (per row masks), one softmax over both. A sliding
 // window W starts pass A at the tile's first key and masks each row's keys <= p - W.
+// Attention sink: pass A reads positions < sink from the first block's int8 sink rows.
 #pragma once
 #include "kvq_cuda_common.cuh"
 
@@ -121,8 +122,13 @@ __global__ void __launch_bounds__(128, 1) generic_attn_kernel(AttnParams p) {
           if (pass == 0) {
             const int blk = p.block_table[(int64_t)s * p.bt_stride + jp / p.B];
             const uint8_t* plane = p.cache + ((int64_t)blk * p.H + h) * p.plane_bytes;
-            kv = plane_value(ks, plane, jp % p.B, ch, D, h);
-            vv = plane_value(vs, plane, jp % p.B, ch, D, h);
+            if (jp < p.sink) {  // the first block's sink rows (jp < sink <= B)
+              kv = sink_value(ks, plane, jp, ch, D);
+              vv = sink_value(vs, plane, jp, ch, D);
+            } else {
+              kv = plane_value(ks, plane, jp % p.B, ch, D, h);
+              vv = plane_value(vs, plane, jp % p.B, ch, D, h);
+            }
           } else {
             const int64_t row = st0 + (jp - pos0);
             kv = load_act(p.sk, row * p.sk_sn + (int64_t)h * p.sk_sh + ch, p.q_dtype);

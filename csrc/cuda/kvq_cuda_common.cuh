@@ -20,6 +20,7 @@ struct Side {
   int32_t data_off, row_bytes;
   int32_t scale_off, zero_off, scale_cols, has_zero;  // has_zero: asymmetric INT with zeros
   int32_t gshift;          // ROW scales: channel -> column is (ch >> gshift); 31 for per-token
+  int32_t sink, sink_off;  // attention sink: a block's first `sink` tokens again as int8 rows
   int32_t static_scale;    // 1 for TENSOR/HEAD granularity (scale is a kernel argument)
   const float* sscale;     // static scales, sscale_n == 1 (tensor) or num_kv_heads
   int32_t sscale_n;
@@ -63,6 +64,8 @@ struct AttnParams {
   int32_t window;        // sliding window W (0: none): a query at p sees keys (p - W, p]
   float scale_log2;      // softmax_scale * log2(e)
   float softcap_log2;    // logits_soft_cap * log2(e) (0: none): logit x -> c tanh(x / c)
+  int32_t sink;          // attention sink: positions < sink are read from the first block's
+                         // int8 sink rows (K and V), wherever the pages would be read
   Side side[2];
   // split-KV decode (kvq_decode.cuh)
   int32_t decode_fast;       // 1: sequences with one query token go to the decode kernel
@@ -123,6 +126,12 @@ KVQ_DEV void store_act(void* p, int64_t i, int dt, float v) {
   static_cast<uint16_t*>(p)[i] = (uint16_t)(w & 0xffffu);
 }
 KVQ_DEV uint16_t ld_u16(const uint8_t* p) { return *reinterpret_cast<const uint16_t*>(p); }
+// Channel ch of sink row t of a plane (the block's token t as int8 codes + a float32 scale,
+// vllm_kvq.residual.quantize_window_rows): code * scale.
+KVQ_DEV float sink_value(const Side& sd, const uint8_t* plane, int t, int ch, int D) {
+  const uint8_t* row = plane + sd.sink_off + (int64_t)t * kvq::int8_row_bytes(D);
+  return (float)(int8_t)row[ch] * *reinterpret_cast<const float*>(row + D);
+}
 KVQ_DEV uint32_t h2_bcast(uint16_t h) { return (uint32_t)h * 0x10001u; }
 KVQ_DEV uint32_t h2_pack(uint16_t lo, uint16_t hi) { return (uint32_t)lo | ((uint32_t)hi << 16); }
 KVQ_HOSTDEV constexpr int pow2_part(int x) { return x & -x; }

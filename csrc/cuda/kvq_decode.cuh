@@ -21,6 +21,9 @@
 // output when the sequence has a single partition and no staging). Staging tokens
 // (residual window, positions >= floor(L/R)*R) are one more "partition", done with CUDA
 // cores by the CTA at x == max_parts. reduce_kernel merges partitions by log-sum-exp.
+// Attention sink (p.sink > 0): the partitions mask positions < sink and the staging CTA
+// reads them from the first block's int8 sink rows instead (staging rows still win: a
+// position >= F is read from staging).
 #pragma once
 #include "kvq_cuda_common.cuh"
 
@@ -35,6 +38,8 @@ constexpr int kChunk = 16;       // tokens per warp step
 // [F, L) from the staging tensors.
 struct SeqSplit {
   int L, F, pt, nparts;
+  int nsink;  // positions [0, nsink) from the sink rows: min(sink, F)
+  KVQ_DEV bool staged() const { return F < L || nsink > 0; }  // the staging CTA has work
 };
 KVQ_DEV SeqSplit seq_split(const AttnParams& p, int s) {
   SeqSplit r;
@@ -43,20 +48,22 @@ KVQ_DEV SeqSplit seq_split(const AttnParams& p, int s) {
   const int even = ((r.F + p.max_parts - 1) / p.max_parts + 63) / 64 * 64;
   r.pt = even > p.min_part_tokens ? even : p.min_part_tokens;
   r.nparts = (r.F + r.pt - 1) / r.pt;
+  r.nsink = p.sink < r.F ? p.sink : r.F;
   return r;
 }
 KVQ_DEV int64_t part_index(const AttnParams& p, int s, int hq, int slot) {
   return ((int64_t)s * p.Hq + hq) * (p.max_parts + 1) + slot;
 }
 
-// Staging keys of a decode sequence (at most R-1 of them), CUDA cores: warp w takes heads
-// w, w+4 of the tile; lanes split the channels.
+// Staging keys of a decode sequence (at most R-1 of them) and the sink's positions, CUDA
+// cores: warp w takes heads w, w+4 of the tile; lanes split the channels.
 template <int D>
 KVQ_DEV void decode_staging(const AttnParams& p, int s, int h, int g0, int ng, const SeqSplit& sp) {
   constexpr int CPL = D / 32;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int q0 = p.qsl[s];
-  const int st0 = p.ssl[s], pos0 = p.spos0[s];
+  const int st0 = p.R > 1 ? p.ssl[s] : 0, pos0 = p.R > 1 ? p.spos0[s] : sp.L;
+  const uint8_t* plane0 = p.cache + ((int64_t)p.block_table[(int64_t)s * p.bt_stride] * p.H + h) * p.plane_bytes;
   for (int hh = warp; hh < ng; hh += kDecodeWarps) {
     const int hq = h * p.G + g0 + hh;
     float qv[CPL], o[CPL];
@@ -66,12 +73,17 @@ KVQ_DEV void decode_staging(const AttnParams& p, int s, int h, int g0, int ng, c
       o[i] = 0.0f;
     }
     float m = -INFINITY, l = 0.0f;
-    for (int j = sp.F > pos0 ? sp.F : pos0; j < sp.L; ++j) {
+    const int j0 = sp.F > pos0 ? sp.F : pos0;
+    // positions [0, nsink) from the sink rows, then [j0, L) from staging
+    for (int j = sp.nsink > 0 ? 0 : j0; j < sp.L; j = j + 1 == sp.nsink ? j0 : j + 1) {
+      const bool sink = j < sp.nsink;
       const int64_t row = st0 + (j - pos0);
       const int64_t kb = row * p.sk_sn + (int64_t)h * p.sk_sh, vb = row * p.sv_sn + (int64_t)h * p.sv_sh;
       float dot = 0.0f;
 #pragma unroll
-      for (int i = 0; i < CPL; ++i) dot += qv[i] * load_act(p.sk, kb + lane + 32 * i, p.q_dtype);
+      for (int i = 0; i < CPL; ++i)
+        dot += qv[i] * (sink ? sink_value(p.side[0], plane0, j, lane + 32 * i, D)
+                             : load_act(p.sk, kb + lane + 32 * i, p.q_dtype));
 #pragma unroll
       for (int mm = 16; mm >= 1; mm >>= 1) dot += shfl_xor(dot, mm);
       dot = soft_cap(dot, p.softcap_log2);
@@ -80,7 +92,8 @@ KVQ_DEV void decode_staging(const AttnParams& p, int s, int h, int g0, int ng, c
       l = l * alpha + pe;
 #pragma unroll
       for (int i = 0; i < CPL; ++i)
-        o[i] = o[i] * alpha + pe * load_act(p.sv, vb + lane + 32 * i, p.q_dtype);
+        o[i] = o[i] * alpha + pe * (sink ? sink_value(p.side[1], plane0, j, lane + 32 * i, D)
+                                         : load_act(p.sv, vb + lane + 32 * i, p.q_dtype));
       m = mn;
     }
     const int64_t pi = part_index(p, s, hq, p.max_parts);
@@ -124,7 +137,7 @@ __global__ void __launch_bounds__(128, decode_min_ctas<D>()) decode_kernel(AttnP
   if (p.qsl[s + 1] - q0 != 1) return;  // CTA-uniform exits only (no barrier passed yet)
   const SeqSplit sp = seq_split(p, s);
   if (part == p.max_parts) {
-    if (sp.F < sp.L) decode_staging<D>(p, s, h, g0, ng, sp);
+    if (sp.staged()) decode_staging<D>(p, s, h, g0, ng, sp);
     return;
   }
   if (part >= sp.nparts) return;
@@ -275,7 +288,7 @@ __global__ void __launch_bounds__(128, decode_min_ctas<D>()) decode_kernel(AttnP
     for (int i = 0; i < 4; ++i) {
       const int tok = j0 + 8 * (i >> 1) + 2 * c + (i & 1);
       const float v = soft_cap(sacc[i >> 1][i & 1], p.softcap_log2);
-      sc[i] = tok < kb ? v : -INFINITY;
+      sc[i] = tok < kb && tok >= sp.nsink ? v : -INFINITY;
     }
     float mx = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3]));
     mx = fmaxf(mx, shfl_xor(mx, 1));
@@ -300,7 +313,10 @@ __global__ void __launch_bounds__(128, decode_min_ctas<D>()) decode_kernel(AttnP
     if constexpr (kLateV) load_v(plane, off, vw);
     bool tv[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) tv[i] = j0 + 2 * c + (i & 1) + 8 * (i >> 1) < kb;
+    for (int i = 0; i < 4; ++i) {
+      const int tok = j0 + 2 * c + (i & 1) + 8 * (i >> 1);
+      tv[i] = tok < kb && tok >= sp.nsink;
+    }
 #pragma unroll
     for (int o = 0; o < NOCT; ++o) {
       uint32_t vv[2][8];
@@ -374,7 +390,7 @@ __global__ void __launch_bounds__(128, decode_min_ctas<D>()) decode_kernel(AttnP
     sm_o[warp][2 * c + 1][ch + 1] = o_acc[mt][3];
   }
   __syncthreads();
-  const bool direct = sp.nparts == 1 && sp.F == sp.L;
+  const bool direct = sp.nparts == 1 && !sp.staged();
   for (int e = threadIdx.x; e < ng * D; e += blockDim.x) {
     const int hh = e / D, ch = e % D;
     float M = -INFINITY;
@@ -412,7 +428,7 @@ __global__ void __launch_bounds__(128) reduce_kernel(AttnParams p) {
   const int q0 = p.qsl[s];
   if (p.qsl[s + 1] - q0 != 1) return;
   const SeqSplit sp = seq_split(p, s);
-  const bool stage = sp.F < sp.L;
+  const bool stage = sp.staged();
   if (sp.nparts == 1 && !stage) return;  // written by the decode kernel
   const int nslots = sp.nparts + (stage ? 1 : 0);
   auto slot_of = [&](int i) { return i < sp.nparts ? i : p.max_parts; };

@@ -26,7 +26,8 @@ inline std::string make_side(const kvq::Codec& c, const kvq::Region& r, int head
   if (c.encoding == kvq::ENC_NUQ) return "nuq codebooks are not implemented by the CUDA kernels";
   if (kind < 0) return "unsupported encoding/bits " + std::to_string(c.encoding) + "/" + std::to_string(c.bits);
   if (c.outliers) return "outlier slots are not implemented yet";
-  if (c.sink) return "the attention sink (_sink) is not implemented by the CUDA kernels yet";
+  if (c.sink && (r.sink_bytes != c.sink * kvq::int8_row_bytes(head_dim) || r.sink_off % 4))
+    return "sink rows must be sink x (head_dim + 4) bytes at a 4-byte aligned offset";
   const bool flt = kind == KIND_F16 || kind == KIND_BF16;
   if (flt && c.granularity != kvq::GRAN_NONE) what = "float formats take no scale";
   if (!flt && c.granularity == kvq::GRAN_NONE) what = "quantized formats need a granularity";
@@ -58,6 +59,8 @@ inline std::string make_side(const kvq::Codec& c, const kvq::Region& r, int head
   s.scale_cols = r.scale_cols;
   s.has_zero = r.zero_bytes > 0;
   s.gshift = c.granularity == kvq::GRAN_GROUP ? ilog2(c.group) : 31;
+  s.sink = c.sink;
+  s.sink_off = r.sink_off;
   s.static_scale = stat;
   s.sscale = stat ? sscale : nullptr;
   s.sscale_n = stat ? sscale_n : 0;
@@ -76,6 +79,11 @@ inline void launch_write_cache(const WriteParams& p, cudaStream_t stream) {
     KVQ_LAUNCH(&write_rows_kernel, grid, dim3(32 * kWarpRowsPerCta), stream)(p);
   }
   if (chan) KVQ_LAUNCH(&write_channel_kernel, dim3(p.N, p.H, 2), dim3(128), stream)(p);
+  if (p.side[0].sink || p.side[1].sink) {
+    const int64_t items = (int64_t)p.N * p.H;
+    const dim3 grid((unsigned)((items + kWarpRowsPerCta - 1) / kWarpRowsPerCta));
+    KVQ_LAUNCH(&write_sink_kernel, grid, dim3(32 * kWarpRowsPerCta), stream)(p);
+  }
 }
 
 // ---- attention -------------------------------------------------------------------------
@@ -131,6 +139,9 @@ struct AttnPlan {
 // split-KV partitions. force_generic: tests / fallback.
 inline std::string plan_attention(AttnParams& p, int kind_k, int kind_v, int num_sms,
                                   bool force_generic, AttnPlan* plan) {
+  if (p.side[0].sink != p.side[1].sink) return "K and V must keep the same attention sink";
+  p.sink = p.side[0].sink;
+  if (p.sink > p.B) return "the attention sink must fit in the first block";
   plan->generic = generic_fn(p.D);
   if (!plan->generic) return "head_dim " + std::to_string(p.D) + " is not supported";
   // sliding-window layers take the generic kernel (it masks per row)

@@ -9,6 +9,8 @@
 //  * write_channel_kernel: one CTA per (slot-group start, kv head, side) for per-channel
 //    sides (scale per channel over G tokens): G consecutive entries with aligned,
 //    consecutive slots. Entries that break that rule are skipped and flagged.
+//  * write_sink_kernel (formats with an attention sink): one warp per (token, kv head) whose
+//    slot is among its block's first `sink`: the token again as an int8 row per side.
 #pragma once
 #include "kvq_cuda_common.cuh"
 
@@ -147,6 +149,55 @@ __global__ void __launch_bounds__(128) write_rows_kernel(WriteParams p) {
     float x[8];
     for (int k = 0; k < 8; ++k) x[k] = mine ? load_act(src, base + lane * 8 + k, p.in_dtype) : 0.0f;
     write_side_rows(sd, plane, off, h, x, mine, lane);
+  }
+}
+
+// The attention sink's rows (sides with sink > 0): a token at block offset off < sink is
+// also stored as int8 codes round(x * (1 / s)) (half to even, clamped to +-127) and the
+// float32 scale s = max|x| / 127 (1 for an all-zero row; a non-finite max stores codes 0
+// and the scale as it is), vllm_kvq.residual.quantize_window_rows. Lane i owns channels
+// 8i..8i+7; the max is taken on the bits with the sign cleared, so NaN wins as in torch.
+__global__ void __launch_bounds__(128) write_sink_kernel(WriteParams p) {
+  const int lane = threadIdx.x & 31;
+  const int64_t item = (int64_t)blockIdx.x * 4 + (threadIdx.x >> 5);
+  if (item >= (int64_t)p.N * p.H) return;  // warp-uniform
+  const int i = (int)(item / p.H), h = (int)(item % p.H);
+  const int64_t slot = load_slot(p, i);
+  if (slot < 0 || slot >= p.num_blocks * p.B) return;  // write_rows_kernel flags the latter
+  const int off = (int)(slot % p.B);
+  uint8_t* plane = p.cache + ((slot / p.B) * p.H + h) * p.plane_bytes;
+  const bool mine = lane * 8 < p.D;
+  for (int side = 0; side < 2; ++side) {
+    const Side& sd = p.side[side];
+    if (off >= sd.sink) continue;  // warp-uniform
+    const void* src = side ? p.value : p.key;
+    const int64_t base = side ? (int64_t)i * p.v_sn + (int64_t)h * p.v_sh
+                              : (int64_t)i * p.k_sn + (int64_t)h * p.k_sh;
+    float x[8];
+    uint32_t amax = 0u;
+    for (int k = 0; k < 8; ++k) {
+      x[k] = mine ? load_act(src, base + lane * 8 + k, p.in_dtype) : 0.0f;
+      const uint32_t u = kvq::float_bits(x[k]) & 0x7fffffffu;
+      amax = u > amax ? u : amax;
+    }
+#pragma unroll
+    for (int m = 1; m < 32; m <<= 1) {
+      const uint32_t o = shfl_xor(amax, m);
+      amax = o > amax ? o : amax;
+    }
+    float s = kvq::bits_float(amax) / 127.0f;
+    if (s == 0.0f) s = 1.0f;
+    const bool finite = s - s == 0.0f;
+    const float inv = 1.0f / s;
+    uint8_t* row = plane + sd.sink_off + (int64_t)off * kvq::int8_row_bytes(p.D);
+    if (mine) {
+      for (int k = 0; k < 8; ++k) {
+        const float c = finite ? fminf(fmaxf(rintf(x[k] * inv), -127.0f), 127.0f) : 0.0f;
+        row[lane * 8 + k] = (uint8_t)(int8_t)c;
+      }
+    }
+    // a NaN scale is stored as torch's amax gives it (0x7fc00000), whatever NaN came in
+    if (lane == 0) *reinterpret_cast<float*>(row + p.D) = s == s ? s : kvq::bits_float(0x7fc00000u);
   }
 }
 
