@@ -80,7 +80,7 @@ try:
                            capture_output=True, check=True).stdout.splitlines()
 except Exception:
     names = [r["mangled"] for r in rows]
-kinds = ["f16", "bf16", "e4m3", "e5m2", "int2", "int3", "int4", "int8"]
+kinds = ["f16", "bf16", "e4m3", "e5m2", "int2", "int3", "int4", "int8", "nuq2", "nuq3", "nuq4"]
 def short(n):
     n = re.sub(r"^void ", "", n).replace("kvq_cuda::", "").replace("(AttnParams)", "").replace("(WriteParams)", "")
     m = re.match(r"decode_kernel<(\d+), (\d+), (\d+)>", n)

@@ -98,11 +98,24 @@ def markdown() -> str:
 
 
 # --- cases ---------------------------------------------------------------------------------
+def codebooks(fmt):
+    """(k_levels, v_levels) of a nuq format (None for the other codecs): non-uniform
+    ascending levels in [-1, 1] (|u|^1.6 of a uniform grid, as tests/test_cuda_emulated.py)."""
+    import torch
+
+    def levels(c):
+        if c.encoding != "nuq":
+            return None
+        u = torch.linspace(-1, 1, 2 ** c.bits)
+        return (u.sign() * u.abs() ** 1.6).contiguous()
+    return levels(fmt.key), levels(fmt.value)
+
+
 def make_attention_case(fmt, D, Hq, H, B, qlens, ctx, dtype, seed):
     """CPU tensors of one mixed batch; pages written by the reference, garbage elsewhere
     (vllm_kvq/tools/paged_attention_case.py, shared with tests/test_cuda_emulated.py)."""
     from vllm_kvq.tools.paged_attention_case import attention_case
-    return attention_case(fmt, D, Hq, H, B, qlens, ctx, dtype, seed)
+    return attention_case(fmt, D, Hq, H, B, qlens, ctx, dtype, seed, levels=codebooks(fmt))
 
 
 def static_scales(fmt, H, seed):
@@ -134,10 +147,12 @@ def make_write_case(fmt, D, H, B, seed):
     k = k.to(torch.bfloat16)
     v = v.to(torch.bfloat16)
     ks, vs = static_scales(fmt, H, seed)
+    kl, vl = codebooks(fmt)
     expected = torch.zeros(nb, H, B, lay.token_bytes, dtype=torch.uint8)
     ref.write_cache(k, v, expected, slots, fmt, lay, ks if fmt.key.static_scale else None,
-                    vs if fmt.value.static_scale else None)
-    return dict(k=k, v=v, slots=slots, ks=ks, vs=vs, expected=expected, lay=lay, nb=nb)
+                    vs if fmt.value.static_scale else None, kl, vl)
+    return dict(k=k, v=v, slots=slots, ks=ks, vs=vs, kl=kl, vl=vl, expected=expected, lay=lay,
+                nb=nb)
 
 
 # --- ops -------------------------------------------------------------------------------------
@@ -149,19 +164,23 @@ class Ops:
         self.mod = mod
         self.ops = None if mod else torch.ops.vllm_kvq
 
-    def write(self, k, v, cache, slots, fmt, ks, vs):
+    @staticmethod
+    def _levels(levels, dev):
+        """(k_levels, v_levels) on dev; empty tensors for the codecs that take none."""
         import torch
+        return [torch.empty(0, dtype=torch.float32, device=dev) if x is None else x.to(dev)
+                for x in levels]
+
+    def write(self, k, v, cache, slots, fmt, ks, vs, levels=(None, None)):
         f = self.mod.write_cache if self.mod else self.ops.write_cache
-        none = torch.empty(0, dtype=torch.float32, device=cache.device)  # no nuq codebooks
-        f(k, v, cache, slots, fmt.key.as_ints(), fmt.value.as_ints(), ks, vs, none, none)
+        f(k, v, cache, slots, fmt.key.as_ints(), fmt.value.as_ints(), ks, vs,
+          *self._levels(levels, cache.device))
 
     def attn(self, out, c, fmt, ks, vs):
-        import torch
         f = self.mod.paged_attention if self.mod else self.ops.paged_attention
-        none = torch.empty(0, dtype=torch.float32, device=c["cache"].device)
         f(out, c["q"], c["cache"], c["bt"], c["sl"], c["qsl"], c["sk"], c["sv"], c["ssl"], c["sp0"],
-          c["R"], c["window"], c["scale"], c["soft_cap"], fmt.key.as_ints(), fmt.value.as_ints(),
-          ks, vs, none, none)
+          c["R"], c.get("window", 0), c["scale"], c.get("soft_cap", 0.0), fmt.key.as_ints(), fmt.value.as_ints(),
+          ks, vs, *self._levels((c.get("kl"), c.get("vl")), c["cache"].device))
 
 
 class EmuOps(Ops):
@@ -179,15 +198,16 @@ class EmuOps(Ops):
         self.emu = torch.ops.kvq_cuda_emu
         self.mod, self.ops = None, None
 
-    def write(self, k, v, cache, slots, fmt, ks, vs):
-        flag = self.emu.write_cache(k, v, cache, slots, fmt.key.as_ints(), fmt.value.as_ints(), ks, vs)
+    def write(self, k, v, cache, slots, fmt, ks, vs, levels=(None, None)):
+        flag = self.emu.write_cache(k, v, cache, slots, fmt.key.as_ints(), fmt.value.as_ints(), ks, vs,
+                                    kl=levels[0], vl=levels[1])
         if flag and os.environ.get("KVQ_CUDA_CHECK_SLOTS") == "1":
             raise RuntimeError("slot_mapping rejected")
 
     def attn(self, out, c, fmt, ks, vs):
         self.emu.paged_attention(out, c["q"], c["cache"], c["bt"], c["sl"], c["qsl"], c["sk"], c["sv"], c["ssl"],
-                                 c["sp0"], c["R"], c["window"], c["scale"], c["soft_cap"], fmt.key.as_ints(),
-                                 fmt.value.as_ints(), ks, vs, False, 0, 132)
+                                 c["sp0"], c["R"], c.get("window", 0), c["scale"], c.get("soft_cap", 0.0), fmt.key.as_ints(),
+                                 fmt.value.as_ints(), ks, vs, False, 0, 132, kl=c.get("kl"), vl=c.get("vl"))
 
 
 def build(args) -> Ops | None:
@@ -264,7 +284,7 @@ def check_writes(ops, names, dev):
             for sdt in (torch.int64, torch.int32) if name in ("int4_group32", "kivi2") else (torch.int64,):
                 cache = torch.zeros_like(c["expected"]).to(dev)
                 ops.write(c["k"].to(dev), c["v"].to(dev), cache, c["slots"].to(sdt).to(dev), fmt,
-                          c["ks"].to(dev), c["vs"].to(dev))
+                          c["ks"].to(dev), c["vs"].to(dev), (c["kl"], c["vl"]))
                 got = cache.cpu()
                 ok = torch.equal(got, c["expected"])
                 nd = int((got != c["expected"]).sum())
@@ -569,7 +589,8 @@ def main() -> int:
     from vllm_kvq.formats import EXAMPLE_NAMES, parse_format
     write_names = list(EXAMPLE_NAMES) + ["int3_token", "int2_token", "fp8_e5m2_token", "int4_tensor_sym",
                                          "int8_head_sym", "fp8_e4m3_head", "int4_group16_sym", "int8_channel16_r16",
-                                         "kivi2_sink", "int3_token_sink"]
+                                         "kivi2_sink", "int3_token_sink", "nuq2_o0", "nuq3_o0",
+                                         "nuq4_group32_o0", "nuq2_o0_sink"]
     attn_plan = [(n, 128, 32, 8, "decode", torch.bfloat16) for n in write_names]
     attn_plan += [(n, 128, 32, 8, "mixed", torch.float16) for n in write_names]
     for n in ("bf16", "fp8_e4m3", "int8_token", "int4_group32", "kivi2", "int3_token"):

@@ -14,8 +14,8 @@ Builds csrc/cuda/emu/emu_ops.cpp once (about 15 s; cached in $KVQ_CACHE or
 By default each test runs the cases that exercise distinct code paths: every codec kind
 (f16, bf16, e4m3, e5m2, int2/3/4/8) and scale granularity (tensor, head, token, group,
 channel; symmetric and not) once, GQA 4 and 16, head sizes 64/80/128/256, the residual
-window, one mixed batch, both partitioning extremes (about 1.5 minutes on 2 cores, build
-cached). The full grid (every format x head size; about 4-8 minutes):
+window, one mixed batch, both partitioning extremes; nuq codebooks and the attention sink
+on the decode and generic paths (about 1.5 minutes on 2 cores, build cached). The full grid (every format x head size; about 4-8 minutes):
 
     KVQ_FULL_GRID=1 python -m pytest -q tests/test_cuda_emulated.py
 """
@@ -156,7 +156,7 @@ def _run(emu, fmt, c, force_generic=False, part_tokens=0, num_sms=132):
                         c["ssl"], c["sp0"], c["R"], c["window"], c["scale"], c["soft_cap"],
                         fmt.key.as_ints(),
                         fmt.value.as_ints(), c["ks"], c["vs"], force_generic, part_tokens,
-                        num_sms)
+                        num_sms, kl=c.get("kl"), vl=c.get("vl"))
     return out.float()
 
 
@@ -332,3 +332,85 @@ def test_attention_reads_the_sink(emu, name, generic):
     assert (no_sink - c["expected"]).abs().max() > 4 * _tol(torch.bfloat16, c["expected"])
     got = _run(emu, fmt, c, force_generic=generic, part_tokens=64)
     assert (got - c["expected"]).abs().max() <= _tol(torch.bfloat16, c["expected"])
+
+
+# nuq codebooks (no outlier slots: the CUDA kernels refuse those): channel keys / token
+# values with a window, group scales with none, 2/3/4 bits, with the sink too.
+NUQ_FORMATS = ["nuq2_o0", "nuq3_o0", "nuq4_group32_o0", "nuq2_o0_sink"]
+
+
+def _codebooks(fmt):
+    """Non-uniform ascending codebooks in [-1, 1] per side (|u|^1.6 of a uniform grid)."""
+    def levels(bits):
+        u = torch.linspace(-1, 1, 2 ** bits)
+        return (u.sign() * u.abs() ** 1.6).contiguous()
+    return levels(fmt.key.bits), levels(fmt.value.bits)
+
+
+@pytest.mark.parametrize("name", NUQ_FORMATS)
+def test_write_cache_nuq_byte_identical(emu, name):
+    fmt = parse_format(name)
+    D, H, B, nb = 64, 3, _block(fmt), 7
+    lay = fmt.layout(D, B)
+    kl, vl = _codebooks(fmt)
+    G = max([c.group for c in (fmt.key, fmt.value) if c.granularity == "channel"] or [1])
+    slots = (torch.cat([torch.arange(G) + 2 * B, torch.arange(2 * G) + 4 * B]) if G > 1 else
+             torch.randperm(nb * B, generator=torch.Generator().manual_seed(1))[:41])
+    N = slots.numel()
+    g = torch.Generator().manual_seed(11)
+    for dt in (torch.bfloat16, torch.float32):
+        k = torch.randn(N, H, D, generator=g) * 2
+        v = torch.randn(N, H, D, generator=g) + 0.3
+        k[4, 0, :5] *= 30.0
+        k[5, 1, 3] = float("nan")
+        v[6, 2, 9] = float("inf")
+        k, v = k.to(dt), v.to(dt)
+        want = torch.zeros(nb, H, B, lay.token_bytes, dtype=torch.uint8)
+        ref.write_cache(k, v, want, slots, fmt, lay, k_levels=kl, v_levels=vl)
+        got = torch.zeros_like(want)
+        assert emu.write_cache(k, v, got, slots, fmt.key.as_ints(), fmt.value.as_ints(),
+                               torch.ones(1), torch.ones(1), kl=kl, vl=vl) == 0
+        assert torch.equal(got, want), f"{dt}: {(got != want).sum().item()} bytes differ"
+
+
+@pytest.mark.parametrize("name", NUQ_FORMATS)
+@pytest.mark.parametrize("generic", [False, True], ids=["decode", "generic"])
+def test_attention_nuq(emu, name, generic):
+    """nuq pages through the tensor-core decode kernel (codebook as an fp16 table in shared
+    memory) and the generic kernel, against the reference; read with the uniform grid
+    instead the same pages would be off by more than the tolerance."""
+    fmt = parse_format(name)
+    D, Hq, H = 64, 6, 2
+    kl, vl = _codebooks(fmt)
+    tokens = _sink_tokens(D, H) if fmt.sink else None
+    c = attention_case(fmt, D, Hq, H, _block(fmt), [1, 24, 1, 1], [300, 70, 129, 0],
+                       torch.bfloat16, 7, spare_blocks=2, levels=(kl, vl), tokens=tokens)
+    uniform = (ref.uniform_levels(fmt.key.bits), ref.uniform_levels(fmt.value.bits))
+    other = ref.paged_attention(c["q"], c["cache"], c["bt"], c["sl"], c["qsl"], fmt, c["lay"],
+                                c["scale"], None, None, c["sk"], c["sv"], c["ssl"], c["sp0"],
+                                *uniform).float()
+    assert (other - c["expected"]).abs().max() > 4 * _tol(torch.bfloat16, c["expected"])
+    if not generic:
+        assert emu.decode_supported(D, fmt.key.as_ints(), fmt.value.as_ints())
+    got = _run(emu, fmt, c, force_generic=generic, part_tokens=64)
+    assert (got - c["expected"]).abs().max() <= _tol(torch.bfloat16, c["expected"])
+
+
+def test_nuq_needs_its_codebook_and_outliers_are_refused(emu):
+    fmt = parse_format("nuq2_o0")
+    lay = fmt.layout(64, 32)
+    x = torch.randn(32, 2, 64)
+    cache = torch.zeros(2, 2, 32, lay.token_bytes, dtype=torch.uint8)
+    one = torch.ones(1)
+    with pytest.raises(RuntimeError, match=r"nuq codec needs its codebook of 2\^bits = 4 float32"):
+        emu.write_cache(x, x, cache, torch.arange(32), fmt.key.as_ints(), fmt.value.as_ints(),
+                        one, one)
+    with pytest.raises(RuntimeError, match=r"k_levels must be a contiguous float32"):
+        emu.write_cache(x, x, cache, torch.arange(32), fmt.key.as_ints(), fmt.value.as_ints(),
+                        one, one, kl=torch.zeros(4, dtype=torch.float64), vl=torch.zeros(4))
+    nuq2 = parse_format("nuq2")
+    with pytest.raises(RuntimeError, match="outlier slots are not implemented by the CUDA kernels"):
+        emu.write_cache(x, x, torch.zeros(2, 2, 32, nuq2.layout(64, 32).token_bytes,
+                                          dtype=torch.uint8), torch.arange(32),
+                        nuq2.key.as_ints(), nuq2.value.as_ints(), one, one,
+                        kl=torch.zeros(4), vl=torch.zeros(4))

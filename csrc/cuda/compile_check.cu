@@ -4,7 +4,7 @@
 // Not part of the extension: setup.py leaves this file out.
 #include "kvq_dispatch.cuh"
 
-// Every kernel the dispatcher can launch: decode (8 kinds x head sizes 64/128/256),
+// Every kernel the dispatcher can launch: decode (11 kinds x head sizes 64/128/256),
 // generic attention (all head sizes), reduction, planner and the two write kernels.
 int kvq_compile_check_kernels() {
   int n = 0;

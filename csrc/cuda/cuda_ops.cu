@@ -37,10 +37,11 @@ bool env_on(const char* name) {
 void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor cache,
                  const at::Tensor& slot_mapping, c10::IntArrayRef k_codec,
                  c10::IntArrayRef v_codec, const at::Tensor& k_scale, const at::Tensor& v_scale,
-                 const at::Tensor& /*k_levels*/, const at::Tensor& /*v_levels*/) {
+                 const at::Tensor& k_levels, const at::Tensor& v_levels) {
   TORCH_CHECK(cache.is_cuda(), "vllm_kvq.write_cache (CUDA): cache must be a CUDA tensor");
   const c10::cuda::OptionalCUDAGuard guard(cache.device());
-  WriteParams p = make_write_params(key, value, cache, slot_mapping, k_codec, v_codec, k_scale, v_scale);
+  WriteParams p = make_write_params(key, value, cache, slot_mapping, k_codec, v_codec, k_scale, v_scale,
+                                    k_levels, v_levels);
   at::Tensor flag;
   const bool check = env_on("KVQ_CUDA_CHECK_SLOTS");
   if (check) {
@@ -64,7 +65,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                      c10::IntArrayRef k_codec,
                      c10::IntArrayRef v_codec,
                      const at::Tensor& k_scale, const at::Tensor& v_scale,
-                     const at::Tensor& /*k_levels*/, const at::Tensor& /*v_levels*/) {
+                     const at::Tensor& k_levels, const at::Tensor& v_levels) {
   TORCH_CHECK(cache.is_cuda(), "vllm_kvq.paged_attention (CUDA): cache must be a CUDA tensor");
   const c10::cuda::OptionalCUDAGuard guard(cache.device());
   AttnPlan plan;
@@ -72,7 +73,8 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                                   staging_k, staging_v, staging_start_loc, staging_pos0,
                                   residual_chunk, sliding_window, softmax_scale, logits_soft_cap, k_codec,
                                   v_codec, k_scale,
-                                  v_scale, num_sms(cache.device().index()), false, 0, &plan);
+                                  v_scale, k_levels, v_levels, num_sms(cache.device().index()), false, 0,
+                                  &plan);
   at::Tensor ws = at::empty({(int64_t)plan.workspace_bytes()}, cache.options().dtype(at::kByte));
   set_workspace(p, plan, ws.data_ptr());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(cache.device().index()).stream();

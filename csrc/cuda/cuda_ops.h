@@ -8,8 +8,8 @@ namespace kvq_cuda {
 // key/value: [N, H, D] fp32/fp16/bf16 (last dim contiguous); cache: uint8
 // [num_blocks, H, block_size, C] contiguous; slot_mapping: int64 [N] (-1 = padding);
 // k_scale/v_scale: fp32 [1] or [H] static scales (read for tensor/head codecs only);
-// k_levels/v_levels: nuq codebooks — nuq and outlier codecs are CPU-only for now, so the
-// CUDA ops refuse them (make_side) and never read these.
+// k_levels/v_levels: nuq codebooks, float32 [2^bits] on the cache's device (required for a
+// nuq side, ignored otherwise); outlier slots are CPU-only for now (make_side refuses them).
 // With KVQ_CUDA_CHECK_SLOTS=1 the op synchronises and raises on slots that are out of
 // range or break the whole-aligned-group rule of per-channel codecs; otherwise such
 // entries are skipped (never partially written).

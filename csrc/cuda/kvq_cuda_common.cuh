@@ -21,6 +21,7 @@ struct Side {
   int32_t scale_off, zero_off, scale_cols, has_zero;  // has_zero: asymmetric INT with zeros
   int32_t gshift;          // ROW scales: channel -> column is (ch >> gshift); 31 for per-token
   int32_t sink, sink_off;  // attention sink: a block's first `sink` tokens again as int8 rows
+  const float* levels;     // nuq: the layer's codebook, float32 [2^bits] ascending in [-1, 1]
   int32_t static_scale;    // 1 for TENSOR/HEAD granularity (scale is a kernel argument)
   const float* sscale;     // static scales, sscale_n == 1 (tensor) or num_kv_heads
   int32_t sscale_n;
@@ -85,6 +86,7 @@ struct AttnParams {
 // ---- kinds: what the inner loops are specialised on -----------------------------------
 enum Kind : int32_t {
   KIND_F16 = 0, KIND_BF16, KIND_E4M3, KIND_E5M2, KIND_I2, KIND_I3, KIND_I4, KIND_I8,
+  KIND_N2, KIND_N3, KIND_N4,  // nuq: b-bit indices into a codebook, scale and zero as INT
   KIND_COUNT
 };
 KVQ_HOSTDEV int32_t kind_of(const kvq::Codec& c) {
@@ -96,17 +98,21 @@ KVQ_HOSTDEV int32_t kind_of(const kvq::Codec& c) {
     case kvq::ENC_INT:
       return c.bits == 2 ? KIND_I2 : c.bits == 3 ? KIND_I3 : c.bits == 4 ? KIND_I4
              : c.bits == 8 ? KIND_I8 : -1;
+    case kvq::ENC_NUQ:
+      return c.bits == 2 ? KIND_N2 : c.bits == 3 ? KIND_N3 : c.bits == 4 ? KIND_N4 : -1;
     default: return -1;
   }
 }
 
 template <int K>
 struct KindT {
-  static constexpr int bits = K <= KIND_BF16 ? 16 : K <= KIND_E5M2 ? 8 : K == KIND_I2 ? 2
-                              : K == KIND_I3 ? 3 : K == KIND_I4 ? 4 : 8;
+  static constexpr bool nuq = K >= KIND_N2;
+  static constexpr int bits = K <= KIND_BF16 ? 16 : K <= KIND_E5M2 ? 8
+                              : K == KIND_I2 || K == KIND_N2 ? 2 : K == KIND_I3 || K == KIND_N3 ? 3
+                              : K == KIND_I4 || K == KIND_N4 ? 4 : 8;
   static constexpr bool raw16 = K <= KIND_BF16;         // stored as 16-bit floats
   static constexpr bool fp8 = K == KIND_E4M3 || K == KIND_E5M2;
-  static constexpr bool is_int = K >= KIND_I2;
+  static constexpr bool is_int = K >= KIND_I2;          // packed codes + scale / zero (INT, nuq)
   static constexpr bool bf = K == KIND_BF16;            // mma operands in bf16, else fp16
 };
 
@@ -285,12 +291,16 @@ KVQ_DEV void v_oct_codes(const uint32_t (&wa)[NW], const uint32_t (&wb)[NW], int
   }
 }
 
-// Codes -> values, both packed fp16: INT (code - off) * s + z; fp8 code * s. `off2` is
-// fp16 (1024 + offset) in both halves (see kMagic), s2 / z2 the packed scale / zero.
+// Codes -> values, both packed fp16: INT (code - off) * s + z; fp8 code * s; nuq
+// level[code] * s + z with `lut` the codebook as fp16 bits. `off2` is fp16 (1024 + offset)
+// in both halves (see kMagic), s2 / z2 the packed scale / zero.
 template <int K>
-KVQ_DEV uint32_t dequant2(uint32_t h, uint32_t off2, uint32_t s2, uint32_t z2) {
+KVQ_DEV uint32_t dequant2(uint32_t h, uint32_t off2, uint32_t s2, uint32_t z2,
+                          const uint16_t* lut) {
   if constexpr (KindT<K>::raw16) return h;
   else if constexpr (KindT<K>::fp8) return hmul2(h, s2);
+  else if constexpr (KindT<K>::nuq)  // the codes are the low bits of each (1024 + code)
+    return hfma2(h2_pack(lut[h & 0xfu], lut[(h >> 16) & 0xfu]), s2, z2);
   else return hfma2(hsub2(h, off2), s2, z2);
 }
 

@@ -128,6 +128,7 @@ __global__ void __launch_bounds__(128, decode_min_ctas<D>()) decode_kernel(AttnP
 
   __shared__ float sm_o[kDecodeWarps][kDecodeHeads][D];
   __shared__ float sm_m[kDecodeWarps][kDecodeHeads], sm_l[kDecodeWarps][kDecodeHeads];
+  __shared__ uint16_t sm_lut[2][kvq::kMaxNuqLevels];  // nuq codebooks (K, V) as fp16 bits
 
   const int part = blockIdx.x, s = blockIdx.z;
   const int h = blockIdx.y / p.dec_head_tiles;
@@ -148,6 +149,15 @@ __global__ void __launch_bounds__(128, decode_min_ctas<D>()) decode_kernel(AttnP
   const int r = lane >> 2, c = lane & 3;  // mma group / thread-in-group
   const Side& ks = p.side[0];
   const Side& vs = p.side[1];
+  if constexpr (KT::nuq || VT::nuq) {  // every CTA that gets here takes this barrier
+    if (threadIdx.x < 2 * kvq::kMaxNuqLevels) {
+      const int side = threadIdx.x / kvq::kMaxNuqLevels, i = threadIdx.x % kvq::kMaxNuqLevels;
+      const Side& sd = side ? vs : ks;
+      const bool nuq = side ? VT::nuq : KT::nuq;
+      sm_lut[side][i] = nuq && i < (1 << sd.bits) ? (uint16_t)(pack2<false>(sd.levels[i], 0.0f) & 0xffffu) : 0;
+    }
+    __syncthreads();
+  }
 
   // Q fragments (row r = query head g0 + r; rows 8..15 of the A operand are zero).
   uint32_t qa[NKC][2];
@@ -271,7 +281,7 @@ __global__ void __launch_bounds__(128, decode_min_ctas<D>()) decode_kernel(AttnP
 #pragma unroll
           for (int pp = 0; pp < 8; ++pp) {
             const bool ch = KT::is_int && kchan;
-            hv[pp] = dequant2<KK>(hv[pp], koff2, ch ? cs[pp] : s2, ch ? cz[pp] : z2);
+            hv[pp] = dequant2<KK>(hv[pp], koff2, ch ? cs[pp] : s2, ch ? cz[pp] : z2, sm_lut[0]);
           }
         }
 #pragma unroll
@@ -339,7 +349,7 @@ __global__ void __launch_bounds__(128, decode_min_ctas<D>()) decode_kernel(AttnP
             for (int k = 0; k < 8; ++k) {
               const uint32_t sel = (k & 1) ? 0x3232u : 0x1010u;
               vv[tp][k] = dequant2<VK>(vv[tp][k], voff2, prmt(sw[k / 2], 0u, sel),
-                                       prmt(zw[k / 2], 0u, sel)) & mask;
+                                       prmt(zw[k / 2], 0u, sel), sm_lut[1]) & mask;
             }
           } else {
             uint32_t s2 = vstat, z2 = 0u;
@@ -352,7 +362,8 @@ __global__ void __launch_bounds__(128, decode_min_ctas<D>()) decode_kernel(AttnP
                 z2 = h2_pack(ld_u16(plane + vs.zero_off + 2 * ia), ld_u16(plane + vs.zero_off + 2 * ib));
             }
 #pragma unroll
-            for (int k = 0; k < 8; ++k) vv[tp][k] = dequant2<VK>(vv[tp][k], voff2, s2, z2) & mask;
+            for (int k = 0; k < 8; ++k)
+              vv[tp][k] = dequant2<VK>(vv[tp][k], voff2, s2, z2, sm_lut[1]) & mask;
           }
         }
       }

@@ -19,13 +19,19 @@ inline int ilog2(int x) {
 }
 
 // Resolve one side of a format. Returns "" or what is wrong.
+// levels / levels_n: the side's nuq codebook (float32 on the cache's device), else unused.
 inline std::string make_side(const kvq::Codec& c, const kvq::Region& r, int head_dim,
-                             int block_size, const float* sscale, int sscale_n, int H, Side* out) {
+                             int block_size, const float* sscale, int sscale_n, int H,
+                             const float* levels, int levels_n, Side* out) {
   const char* what = "";
   const int kind = kind_of(c);
-  if (c.encoding == kvq::ENC_NUQ) return "nuq codebooks are not implemented by the CUDA kernels";
+  if (c.encoding == kvq::ENC_NUQ && (levels == nullptr || levels_n != 1 << c.bits))
+    return "a nuq codec needs its codebook of 2^bits = " + std::to_string(1 << c.bits) +
+           " float32 levels on the cache's device, got " + std::to_string(levels_n);
   if (kind < 0) return "unsupported encoding/bits " + std::to_string(c.encoding) + "/" + std::to_string(c.bits);
-  if (c.outliers) return "outlier slots are not implemented yet";
+  if (c.outliers)
+    return "outlier slots are not implemented by the CUDA kernels yet (the _o0 variant of a "
+           "nuq format has none, e.g. nuq2_o0_sink_rot)";
   if (c.sink && (r.sink_bytes != c.sink * kvq::int8_row_bytes(head_dim) || r.sink_off % 4))
     return "sink rows must be sink x (head_dim + 4) bytes at a 4-byte aligned offset";
   const bool flt = kind == KIND_F16 || kind == KIND_BF16;
@@ -61,6 +67,7 @@ inline std::string make_side(const kvq::Codec& c, const kvq::Region& r, int head
   s.gshift = c.granularity == kvq::GRAN_GROUP ? ilog2(c.group) : 31;
   s.sink = c.sink;
   s.sink_off = r.sink_off;
+  s.levels = c.encoding == kvq::ENC_NUQ ? levels : nullptr;
   s.static_scale = stat;
   s.sscale = stat ? sscale : nullptr;
   s.sscale_n = stat ? sscale_n : 0;
@@ -100,6 +107,9 @@ inline AttnKernel decode_fn_d(int kind) {
     case KIND_I3: return &decode_kernel<D, KIND_I3, KIND_I3>;
     case KIND_I4: return &decode_kernel<D, KIND_I4, KIND_I4>;
     case KIND_I8: return &decode_kernel<D, KIND_I8, KIND_I8>;
+    case KIND_N2: return &decode_kernel<D, KIND_N2, KIND_N2>;
+    case KIND_N3: return &decode_kernel<D, KIND_N3, KIND_N3>;
+    case KIND_N4: return &decode_kernel<D, KIND_N4, KIND_N4>;
     default: return nullptr;
   }
 }

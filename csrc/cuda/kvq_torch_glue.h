@@ -37,6 +37,18 @@ inline const float* static_scale_ptr(const at::Tensor& s, const at::Tensor& cach
   return s.data_ptr<float>();
 }
 
+// A nuq side's codebook: float32, contiguous, on the cache's device (its size is checked by
+// make_side); null for an undefined or empty tensor (the other codecs take none).
+inline const float* levels_ptr(const at::Tensor& t, const at::Tensor& cache, const char* name, int* n) {
+  *n = 0;
+  if (!t.defined() || t.numel() == 0) return nullptr;
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.dim() == 1, "vllm_kvq (CUDA): ",
+              name, " must be a contiguous float32 [2^bits] tensor");
+  check_same_device(t, cache, name);
+  *n = (int)t.numel();
+  return t.data_ptr<float>();
+}
+
 inline kvq::Layout checked_layout(const at::Tensor& cache, const kvq::Codec& kc, const kvq::Codec& vc,
                                   int64_t D, const char* op) {
   TORCH_CHECK(cache.scalar_type() == at::kByte && cache.dim() == 4 && cache.is_contiguous(),
@@ -50,7 +62,8 @@ inline kvq::Layout checked_layout(const at::Tensor& cache, const kvq::Codec& kc,
 
 inline WriteParams make_write_params(const at::Tensor& key, const at::Tensor& value, at::Tensor& cache,
                                      const at::Tensor& slots, c10::IntArrayRef kcv, c10::IntArrayRef vcv,
-                                     const at::Tensor& k_scale, const at::Tensor& v_scale) {
+                                     const at::Tensor& k_scale, const at::Tensor& v_scale,
+                                     const at::Tensor& k_levels, const at::Tensor& v_levels) {
   const char* op = "vllm_kvq.write_cache (CUDA)";
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), op, ": key/value must be [N, H, D] of one shape");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, op, ": key/value need a contiguous last dim");
@@ -80,12 +93,14 @@ inline WriteParams make_write_params(const at::Tensor& key, const at::Tensor& va
   p.slots = slots.data_ptr();
   p.slots_i32 = slots.scalar_type() == at::kInt;
   p.N = (int32_t)N;
-  int kn, vn;
+  int kn, vn, kln, vln;
   const float* ks = static_scale_ptr(k_scale, cache, "k_scale", &kn);
   const float* vs = static_scale_ptr(v_scale, cache, "v_scale", &vn);
-  std::string e = make_side(kc, l.k, (int)D, p.B, ks, kn, (int)H, &p.side[0]);
+  const float* kl = levels_ptr(k_levels, cache, "k_levels", &kln);
+  const float* vl = levels_ptr(v_levels, cache, "v_levels", &vln);
+  std::string e = make_side(kc, l.k, (int)D, p.B, ks, kn, (int)H, kl, kln, &p.side[0]);
   TORCH_CHECK(e.empty(), op, ": key codec: ", e);
-  e = make_side(vc, l.v, (int)D, p.B, vs, vn, (int)H, &p.side[1]);
+  e = make_side(vc, l.v, (int)D, p.B, vs, vn, (int)H, vl, vln, &p.side[1]);
   TORCH_CHECK(e.empty(), op, ": value codec: ", e);
   p.error_flag = nullptr;
   return p;
@@ -98,7 +113,8 @@ inline AttnParams make_attn_params(at::Tensor& out, const at::Tensor& q, const a
                                    const at::Tensor& sp0, int64_t R, int64_t window,
                                    double softmax_scale, double logits_soft_cap,
                                    c10::IntArrayRef kcv, c10::IntArrayRef vcv, const at::Tensor& k_scale,
-                                   const at::Tensor& v_scale, int num_sms, bool force_generic,
+                                   const at::Tensor& v_scale, const at::Tensor& k_levels,
+                                   const at::Tensor& v_levels, int num_sms, bool force_generic,
                                    int part_tokens_override, AttnPlan* plan) {
   const char* op = "vllm_kvq.paged_attention (CUDA)";
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, op, ": query must be [T, Hq, D] with a contiguous last dim");
@@ -157,12 +173,14 @@ inline AttnParams make_attn_params(at::Tensor& out, const at::Tensor& q, const a
   }
   p.scale_log2 = (float)(softmax_scale * 1.4426950408889634);
   p.softcap_log2 = (float)(logits_soft_cap * 1.4426950408889634);
-  int kn, vn;
+  int kn, vn, kln, vln;
   const float* ks = static_scale_ptr(k_scale, cache, "k_scale", &kn);
   const float* vs = static_scale_ptr(v_scale, cache, "v_scale", &vn);
-  std::string e = make_side(kc, l.k, (int)D, p.B, ks, kn, (int)H, &p.side[0]);
+  const float* kl = levels_ptr(k_levels, cache, "k_levels", &kln);
+  const float* vl = levels_ptr(v_levels, cache, "v_levels", &vln);
+  std::string e = make_side(kc, l.k, (int)D, p.B, ks, kn, (int)H, kl, kln, &p.side[0]);
   TORCH_CHECK(e.empty(), op, ": key codec: ", e);
-  e = make_side(vc, l.v, (int)D, p.B, vs, vn, (int)H, &p.side[1]);
+  e = make_side(vc, l.v, (int)D, p.B, vs, vn, (int)H, vl, vln, &p.side[1]);
   TORCH_CHECK(e.empty(), op, ": value codec: ", e);
   const char* env = std::getenv("KVQ_CUDA_ATTN");
   if (env && std::string(env) == "generic") force_generic = true;

@@ -90,6 +90,15 @@ KVQ_DEV void write_side_rows(const Side& sd, uint8_t* plane, int off, int h,
                     : side_static_scale(sd, h);
     for (int k = 0; k < 8; ++k)
       packed |= (uint64_t)kvq::quantize_fp8(x[k], scale, sd.encoding) << (8 * k);
+  } else if (sd.encoding == kvq::ENC_NUQ) {  // always per token or group (dynamic)
+    if (!(lo <= hi)) lo = hi = 0.0f;  // no finite value in the group
+    const kvq::QParams qp = kvq::nuq_params(lo, hi);
+    float mids[kvq::kMaxNuqLevels];
+    kvq::nuq_midpoints(sd.levels, 1 << b, mids);
+    scale = qp.scale;
+    zero = qp.zero;
+    for (int k = 0; k < 8; ++k)
+      packed |= (uint64_t)kvq::quantize_nuq(x[k], qp, mids, 1 << b) << (b * k);
   } else {  // ENC_INT
     kvq::QParams qp;
     if (!dynamic) {
@@ -246,15 +255,23 @@ __global__ void __launch_bounds__(128) write_channel_kernel(WriteParams p) {
       }
     }
     kvq::QParams qp;
-    if (sd.symmetric) {
+    const bool nuq = sd.encoding == kvq::ENC_NUQ;
+    float mids[kvq::kMaxNuqLevels];
+    if (nuq) {
+      if (!(lo <= hi)) lo = hi = 0.0f;
+      qp = kvq::nuq_params(lo, hi);
+      kvq::nuq_midpoints(sd.levels, 1 << b, mids);
+    } else if (sd.symmetric) {
       qp = kvq::absmax_params(amax, (float)kvq::int_half(b));
     } else {
       if (!(lo <= hi)) lo = hi = 0.0f;
       qp = kvq::int_asym_params(lo, hi, b);
     }
-    for (int t = 0; t < G; ++t)
-      codes[t][ch] = (uint8_t)kvq::quantize_int(load_act(src, base + t * sn + ch, p.in_dtype),
-                                                qp, b, sd.symmetric != 0);
+    for (int t = 0; t < G; ++t) {
+      const float v = load_act(src, base + t * sn + ch, p.in_dtype);
+      codes[t][ch] = (uint8_t)(nuq ? kvq::quantize_nuq(v, qp, mids, 1 << b)
+                                   : kvq::quantize_int(v, qp, b, sd.symmetric != 0));
+    }
     const int idx = (off / G) * D + ch;
     const uint16_t s16 = kvq::float_to_fp16_sat(qp.scale);
     plane[sd.scale_off + 2 * idx] = (uint8_t)s16;

@@ -5,6 +5,7 @@
 // not part of the package. Registered through TORCH_LIBRARY with the light ATen headers:
 // <torch/extension.h> alone took 27 of the build's 39 s (2-core AVX2 Zen 3).
 #include <ATen/core/Tensor.h>
+#include <optional>
 #include <torch/library.h>
 
 #define KVQ_CUDA_EMULATE 1
@@ -14,8 +15,11 @@ namespace {
 
 int64_t write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor cache,
                     const at::Tensor& slots, std::vector<int64_t> kc, std::vector<int64_t> vc,
-                    const at::Tensor& ks, const at::Tensor& vs) {
-  kvq_cuda::WriteParams p = kvq_cuda::make_write_params(key, value, cache, slots, kc, vc, ks, vs);
+                    const at::Tensor& ks, const at::Tensor& vs,
+                    const std::optional<at::Tensor>& kl, const std::optional<at::Tensor>& vl) {
+  kvq_cuda::WriteParams p = kvq_cuda::make_write_params(key, value, cache, slots, kc, vc, ks, vs,
+                                                        kl.value_or(at::Tensor()),
+                                                        vl.value_or(at::Tensor()));
   int32_t flag = 0;
   p.error_flag = &flag;
   kvq_cuda::launch_write_cache(p, nullptr);
@@ -28,11 +32,13 @@ void paged_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& cach
                      int64_t window, double scale, double soft_cap, std::vector<int64_t> kc,
                      std::vector<int64_t> vc,
                      const at::Tensor& ks, const at::Tensor& vs, bool force_generic,
-                     int64_t part_tokens, int64_t num_sms) {
+                     int64_t part_tokens, int64_t num_sms, const std::optional<at::Tensor>& kl,
+                     const std::optional<at::Tensor>& vl) {
   kvq_cuda::AttnPlan plan;
   kvq_cuda::AttnParams p = kvq_cuda::make_attn_params(out, q, cache, bt, sl, qsl, sk, sv, ssl, sp0, R,
                                                       window, scale, soft_cap, kc, vc, ks, vs,
-                                                      (int)num_sms,
+                                                      kl.value_or(at::Tensor()),
+                                                      vl.value_or(at::Tensor()), (int)num_sms,
                                                       force_generic, (int)part_tokens, &plan);
   std::vector<uint8_t> ws(plan.workspace_bytes());
   kvq_cuda::set_workspace(p, plan, ws.data());
@@ -49,7 +55,12 @@ bool decode_supported(int64_t D, std::vector<int64_t> kc, std::vector<int64_t> v
 // write_cache returns the slot error flag; decode_supported: whether the tensor-core decode
 // kernel covers a format.
 TORCH_LIBRARY(kvq_cuda_emu, m) {
-  m.def("write_cache", &write_cache);
-  m.def("paged_attention", &paged_attention);
+  // the nuq codebooks last and optional: (k_levels, v_levels)
+  m.def("write_cache(Tensor key, Tensor value, Tensor(a!) cache, Tensor slots, int[] kc, int[] vc, "
+        "Tensor ks, Tensor vs, Tensor? kl=None, Tensor? vl=None) -> int", &write_cache);
+  m.def("paged_attention(Tensor(a!) out, Tensor q, Tensor cache, Tensor bt, Tensor sl, Tensor qsl, "
+        "Tensor sk, Tensor sv, Tensor ssl, Tensor sp0, int R, int window, float scale, "
+        "float soft_cap, int[] kc, int[] vc, Tensor ks, Tensor vs, bool force_generic, "
+        "int part_tokens, int num_sms, Tensor? kl=None, Tensor? vl=None) -> ()", &paged_attention);
   m.def("decode_supported", &decode_supported);
 }
