@@ -590,7 +590,8 @@ def main() -> int:
     write_names = list(EXAMPLE_NAMES) + ["int3_token", "int2_token", "fp8_e5m2_token", "int4_tensor_sym",
                                          "int8_head_sym", "fp8_e4m3_head", "int4_group16_sym", "int8_channel16_r16",
                                          "kivi2_sink", "int3_token_sink", "nuq2_o0", "nuq3_o0",
-                                         "nuq4_group32_o0", "nuq2_o0_sink"]
+                                         "nuq4_group32_o0", "nuq2_o0_sink", "nuq3", "int4_token_o1",
+                                         "nuq2_sink"]
     attn_plan = [(n, 128, 32, 8, "decode", torch.bfloat16) for n in write_names]
     attn_plan += [(n, 128, 32, 8, "mixed", torch.float16) for n in write_names]
     for n in ("bf16", "fp8_e4m3", "int8_token", "int4_group32", "kivi2", "int3_token"):

@@ -334,9 +334,11 @@ def test_attention_reads_the_sink(emu, name, generic):
     assert (got - c["expected"]).abs().max() <= _tol(torch.bfloat16, c["expected"])
 
 
-# nuq codebooks (no outlier slots: the CUDA kernels refuse those): channel keys / token
-# values with a window, group scales with none, 2/3/4 bits, with the sink too.
+# nuq codebooks: channel keys / token values with a window, group scales with none, 2/3/4
+# bits, with the sink too; outlier slots (the nuq defaults have one per token and side; an
+# INT format with two).
 NUQ_FORMATS = ["nuq2_o0", "nuq3_o0", "nuq4_group32_o0", "nuq2_o0_sink"]
+OUTLIER_FORMATS = ["nuq2", "nuq3_group32_o1", "int4_token_o2", "nuq2_sink"]
 
 
 def _codebooks(fmt):
@@ -347,12 +349,14 @@ def _codebooks(fmt):
     return levels(fmt.key.bits), levels(fmt.value.bits)
 
 
-@pytest.mark.parametrize("name", NUQ_FORMATS)
-def test_write_cache_nuq_byte_identical(emu, name):
+@pytest.mark.parametrize("name", NUQ_FORMATS + OUTLIER_FORMATS)
+def test_write_cache_codebooks_and_outliers_byte_identical(emu, name):
+    """nuq codes through the codebook, outlier slots (channel + fp16 correction, the values
+    left out of the statistics), non-finite values: the reference's bytes."""
     fmt = parse_format(name)
     D, H, B, nb = 64, 3, _block(fmt), 7
     lay = fmt.layout(D, B)
-    kl, vl = _codebooks(fmt)
+    kl, vl = _codebooks(fmt) if fmt.needs_levels else (None, None)
     G = max([c.group for c in (fmt.key, fmt.value) if c.granularity == "channel"] or [1])
     slots = (torch.cat([torch.arange(G) + 2 * B, torch.arange(2 * G) + 4 * B]) if G > 1 else
              torch.randperm(nb * B, generator=torch.Generator().manual_seed(1))[:41])
@@ -373,30 +377,41 @@ def test_write_cache_nuq_byte_identical(emu, name):
         assert torch.equal(got, want), f"{dt}: {(got != want).sum().item()} bytes differ"
 
 
-@pytest.mark.parametrize("name", NUQ_FORMATS)
+@pytest.mark.parametrize("name", NUQ_FORMATS + OUTLIER_FORMATS)
 @pytest.mark.parametrize("generic", [False, True], ids=["decode", "generic"])
-def test_attention_nuq(emu, name, generic):
+def test_attention_codebooks_and_outliers(emu, name, generic):
     """nuq pages through the tensor-core decode kernel (codebook as an fp16 table in shared
-    memory) and the generic kernel, against the reference; read with the uniform grid
-    instead the same pages would be off by more than the tolerance."""
+    memory) and the generic kernel, outlier slots through the generic kernel (decodes too),
+    against the reference; read with the uniform grid, or without the outlier corrections,
+    the same pages would be off by more than the tolerance."""
     fmt = parse_format(name)
     D, Hq, H = 64, 6, 2
-    kl, vl = _codebooks(fmt)
+    kl, vl = _codebooks(fmt) if fmt.needs_levels else (None, None)
     tokens = _sink_tokens(D, H) if fmt.sink else None
     c = attention_case(fmt, D, Hq, H, _block(fmt), [1, 24, 1, 1], [300, 70, 129, 0],
                        torch.bfloat16, 7, spare_blocks=2, levels=(kl, vl), tokens=tokens)
-    uniform = (ref.uniform_levels(fmt.key.bits), ref.uniform_levels(fmt.value.bits))
-    other = ref.paged_attention(c["q"], c["cache"], c["bt"], c["sl"], c["qsl"], fmt, c["lay"],
-                                c["scale"], None, None, c["sk"], c["sv"], c["ssl"], c["sp0"],
-                                *uniform).float()
-    assert (other - c["expected"]).abs().max() > 4 * _tol(torch.bfloat16, c["expected"])
-    if not generic:
+    if fmt.key.outliers:  # the same pages read with every outlier slot empty
+        bare = c["cache"].clone()
+        planes = bare.view(bare.shape[0], H, -1)
+        for r in (c["lay"].k, c["lay"].v):
+            planes[:, :, r["outlier_off"]:r["outlier_off"] + r["outlier_bytes"]] = 255
+        other = ref.paged_attention(c["q"], bare, c["bt"], c["sl"], c["qsl"], fmt, c["lay"],
+                                    c["scale"], None, None, c["sk"], c["sv"], c["ssl"],
+                                    c["sp0"], kl, vl).float()
+        assert (other - c["expected"]).abs().max() > 4 * _tol(torch.bfloat16, c["expected"])
+    if fmt.needs_levels:  # the same pages read with the uniform grid
+        uniform = (ref.uniform_levels(fmt.key.bits), ref.uniform_levels(fmt.value.bits))
+        other = ref.paged_attention(c["q"], c["cache"], c["bt"], c["sl"], c["qsl"], fmt,
+                                    c["lay"], c["scale"], None, None, c["sk"], c["sv"],
+                                    c["ssl"], c["sp0"], *uniform).float()
+        assert (other - c["expected"]).abs().max() > 4 * _tol(torch.bfloat16, c["expected"])
+    if not generic and not fmt.key.outliers:
         assert emu.decode_supported(D, fmt.key.as_ints(), fmt.value.as_ints())
     got = _run(emu, fmt, c, force_generic=generic, part_tokens=64)
     assert (got - c["expected"]).abs().max() <= _tol(torch.bfloat16, c["expected"])
 
 
-def test_nuq_needs_its_codebook_and_outliers_are_refused(emu):
+def test_nuq_needs_its_codebook(emu):
     fmt = parse_format("nuq2_o0")
     lay = fmt.layout(64, 32)
     x = torch.randn(32, 2, 64)
@@ -408,9 +423,12 @@ def test_nuq_needs_its_codebook_and_outliers_are_refused(emu):
     with pytest.raises(RuntimeError, match=r"k_levels must be a contiguous float32"):
         emu.write_cache(x, x, cache, torch.arange(32), fmt.key.as_ints(), fmt.value.as_ints(),
                         one, one, kl=torch.zeros(4, dtype=torch.float64), vl=torch.zeros(4))
-    nuq2 = parse_format("nuq2")
-    with pytest.raises(RuntimeError, match="outlier slots are not implemented by the CUDA kernels"):
-        emu.write_cache(x, x, torch.zeros(2, 2, 32, nuq2.layout(64, 32).token_bytes,
-                                          dtype=torch.uint8), torch.arange(32),
-                        nuq2.key.as_ints(), nuq2.value.as_ints(), one, one,
-                        kl=torch.zeros(4), vl=torch.zeros(4))
+
+
+def test_too_many_outlier_slots_are_refused(emu):
+    fmt = parse_format("int4_token_o9")
+    x = torch.randn(4, 2, 64)
+    cache = torch.zeros(2, 2, 32, fmt.layout(64, 32).token_bytes, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="at most 8 outlier slots per token, got 9"):
+        emu.write_cache(x, x, cache, torch.arange(4), fmt.key.as_ints(), fmt.value.as_ints(),
+                        torch.ones(1), torch.ones(1))

@@ -9,7 +9,7 @@ namespace kvq_cuda {
 // [num_blocks, H, block_size, C] contiguous; slot_mapping: int64 [N] (-1 = padding);
 // k_scale/v_scale: fp32 [1] or [H] static scales (read for tensor/head codecs only);
 // k_levels/v_levels: nuq codebooks, float32 [2^bits] on the cache's device (required for a
-// nuq side, ignored otherwise); outlier slots are CPU-only for now (make_side refuses them).
+// nuq side, ignored otherwise).
 // With KVQ_CUDA_CHECK_SLOTS=1 the op synchronises and raises on slots that are out of
 // range or break the whole-aligned-group rule of per-channel codecs; otherwise such
 // entries are skipped (never partially written).

@@ -22,6 +22,7 @@ struct Side {
   int32_t gshift;          // ROW scales: channel -> column is (ch >> gshift); 31 for per-token
   int32_t sink, sink_off;  // attention sink: a block's first `sink` tokens again as int8 rows
   const float* levels;     // nuq: the layer's codebook, float32 [2^bits] ascending in [-1, 1]
+  int32_t outliers, outlier_off;  // sparse outlier slots per token (kvq::Outlier), 0: none
   int32_t static_scale;    // 1 for TENSOR/HEAD granularity (scale is a kernel argument)
   const float* sscale;     // static scales, sscale_n == 1 (tensor) or num_kv_heads
   int32_t sscale_n;
@@ -132,6 +133,17 @@ KVQ_DEV void store_act(void* p, int64_t i, int dt, float v) {
   static_cast<uint16_t*>(p)[i] = (uint16_t)(w & 0xffffu);
 }
 KVQ_DEV uint16_t ld_u16(const uint8_t* p) { return *reinterpret_cast<const uint16_t*>(p); }
+constexpr int kMaxOutliers = 8;  // outlier slots per token the CUDA kernels take
+
+// The stored correction of channel ch of token t (0 when none of its slots holds ch).
+KVQ_DEV float outlier_correction(const Side& sd, const uint8_t* plane, int t, int ch) {
+  const uint8_t* o = plane + sd.outlier_off + (int64_t)t * sd.outliers * 4;
+  float c = 0.0f;
+  for (int j = 0; j < sd.outliers; ++j)
+    if (ld_u16(o + 4 * j) == (uint16_t)ch) c += h2f(ld_u16(o + 4 * j + 2));
+  return c;
+}
+
 // Channel ch of sink row t of a plane (the block's token t as int8 codes + a float32 scale,
 // vllm_kvq.residual.quantize_window_rows): code * scale.
 KVQ_DEV float sink_value(const Side& sd, const uint8_t* plane, int t, int ch, int D) {

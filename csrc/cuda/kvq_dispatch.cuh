@@ -29,9 +29,9 @@ inline std::string make_side(const kvq::Codec& c, const kvq::Region& r, int head
     return "a nuq codec needs its codebook of 2^bits = " + std::to_string(1 << c.bits) +
            " float32 levels on the cache's device, got " + std::to_string(levels_n);
   if (kind < 0) return "unsupported encoding/bits " + std::to_string(c.encoding) + "/" + std::to_string(c.bits);
-  if (c.outliers)
-    return "outlier slots are not implemented by the CUDA kernels yet (the _o0 variant of a "
-           "nuq format has none, e.g. nuq2_o0_sink_rot)";
+  if (c.outliers > kMaxOutliers)
+    return "at most " + std::to_string(kMaxOutliers) + " outlier slots per token, got " +
+           std::to_string(c.outliers);
   if (c.sink && (r.sink_bytes != c.sink * kvq::int8_row_bytes(head_dim) || r.sink_off % 4))
     return "sink rows must be sink x (head_dim + 4) bytes at a 4-byte aligned offset";
   const bool flt = kind == KIND_F16 || kind == KIND_BF16;
@@ -68,6 +68,8 @@ inline std::string make_side(const kvq::Codec& c, const kvq::Region& r, int head
   s.sink = c.sink;
   s.sink_off = r.sink_off;
   s.levels = c.encoding == kvq::ENC_NUQ ? levels : nullptr;
+  s.outliers = c.outliers;
+  s.outlier_off = r.outlier_off;
   s.static_scale = stat;
   s.sscale = stat ? sscale : nullptr;
   s.sscale_n = stat ? sscale_n : 0;
@@ -154,8 +156,10 @@ inline std::string plan_attention(AttnParams& p, int kind_k, int kind_v, int num
   if (p.sink > p.B) return "the attention sink must fit in the first block";
   plan->generic = generic_fn(p.D);
   if (!plan->generic) return "head_dim " + std::to_string(p.D) + " is not supported";
-  // sliding-window layers take the generic kernel (it masks per row)
-  plan->decode = force_generic || p.window ? nullptr : decode_fn(p.D, kind_k, kind_v);
+  // sliding-window layers take the generic kernel (it masks per row), and so do formats
+  // with outlier slots (their corrections are added where the generic kernel dequantizes)
+  const bool outliers = p.side[0].outliers || p.side[1].outliers;
+  plan->decode = force_generic || p.window || outliers ? nullptr : decode_fn(p.D, kind_k, kind_v);
   p.decode_fast = plan->decode != nullptr;
   // generic tiles: up to 16 rows of (query, head)
   p.gen_heads = p.G < 16 ? p.G : 16;

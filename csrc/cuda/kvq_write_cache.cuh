@@ -9,6 +9,9 @@
 //  * write_channel_kernel: one CTA per (slot-group start, kv head, side) for per-channel
 //    sides (scale per channel over G tokens): G consecutive entries with aligned,
 //    consecutive slots. Entries that break that rule are skipped and flagged.
+//  * outlier slots (Codec.outliers): a token's n finite values of largest |x| (kvq::
+//    select_outliers, ties to the lower channel) are left out of the dense scale statistics;
+//    each slot stores its channel and the fp16 correction x - (the dense decode there).
 //  * write_sink_kernel (formats with an attention sink): one warp per (token, kv head) whose
 //    slot is among its block's first `sink`: the token again as an int8 row per side.
 #pragma once
@@ -47,9 +50,59 @@ KVQ_DEV void store_bytes(uint8_t* dst, uint64_t v, int nbytes) {
   for (int i = 0; i < nbytes; ++i) dst[i] = (uint8_t)(v >> (8 * i));
 }
 
-// One side of one (token, head): the warp's lanes hold 8 channels each in x[].
+// kvq::select_outliers over a warp whose lane i holds channels 8i..8i+7 in x (mine: the
+// lane has channels): the n finite values of largest |x|, equal |x| the lower channel
+// first. chans[0..filled) (warp-uniform); returns filled.
+KVQ_DEV int warp_select_outliers(const float (&x)[8], bool mine, int lane, int n, int* chans) {
+  uint32_t taken = 0;  // bit k: this lane's channel 8 * lane + k is taken
+  int filled = 0;
+  for (int j = 0; j < n; ++j) {
+    float ba = -1.0f;
+    int bd = 1 << 30;
+    if (mine) {
+      for (int k = 0; k < 8; ++k) {
+        const float a = fabsf(x[k]);
+        if (!(a <= 3.4028234663852886e38f) || (taken >> k & 1u)) continue;  // NaN / Inf, taken
+        if (a > ba) { ba = a; bd = lane * 8 + k; }
+      }
+    }
+#pragma unroll
+    for (int m = 16; m >= 1; m >>= 1) {
+      const float oa = shfl_xor(ba, m);
+      const int od = shfl_xor(bd, m);
+      if (oa > ba || (oa == ba && od < bd)) { ba = oa; bd = od; }
+    }
+    if (ba < 0.0f) break;  // no finite value left (warp-uniform)
+    if (bd / 8 == lane) taken |= 1u << (bd % 8);
+    chans[filled++] = bd;
+  }
+  return filled;
+}
+
+KVQ_DEV bool is_outlier(const int* chans, int n, int ch) {
+  for (int j = 0; j < n; ++j)
+    if (chans[j] == ch) return true;
+  return false;
+}
+
+// The dense decode of `code` (INT or nuq) with the stored (fp16-rounded) scale / zero.
+KVQ_DEV float dense_value(const Side& sd, uint32_t code, float scale, float zero) {
+  return sd.encoding == kvq::ENC_NUQ ? kvq::dequantize_nuq(code, scale, zero, sd.levels)
+                                     : kvq::dequantize_int(code, scale, zero, sd.bits, sd.symmetric != 0);
+}
+
+KVQ_DEV void store_outlier(uint8_t* slot, int ch, float corr) {
+  const uint16_t c = ch < 0 ? kvq::kNoOutlier : (uint16_t)ch;
+  const uint16_t v = ch < 0 ? 0 : kvq::float_to_fp16_sat(corr);
+  slot[0] = (uint8_t)c; slot[1] = (uint8_t)(c >> 8);
+  slot[2] = (uint8_t)v; slot[3] = (uint8_t)(v >> 8);
+}
+
+// One side of one (token, head): the warp's lanes hold 8 channels each in x[]; ochans[0..
+// nout): its outlier channels (left out of the statistics; their slots written last).
 KVQ_DEV void write_side_rows(const Side& sd, uint8_t* plane, int off, int h,
-                             const float (&x)[8], bool mine, int lane) {
+                             const float (&x)[8], bool mine, int lane, const int* ochans,
+                             int nout) {
   const int b = sd.bits;
   uint8_t* row = plane + sd.data_off + (int64_t)off * sd.row_bytes;
   if (sd.encoding == kvq::ENC_FP16 || sd.encoding == kvq::ENC_BF16) {
@@ -70,7 +123,7 @@ KVQ_DEV void write_side_rows(const Side& sd, uint8_t* plane, int off, int h,
   if (mine) {
     for (int k = 0; k < 8; ++k) {
       const float v = x[k];
-      if (v - v == 0.0f) {  // finite
+      if (v - v == 0.0f && !is_outlier(ochans, nout, lane * 8 + k)) {  // finite, dense
         lo = fminf(lo, v);
         hi = fmaxf(hi, v);
         amax = fmaxf(amax, fabsf(v));
@@ -115,6 +168,17 @@ KVQ_DEV void write_side_rows(const Side& sd, uint8_t* plane, int off, int h,
     for (int k = 0; k < 8; ++k)
       packed |= (uint64_t)kvq::quantize_int(x[k], qp, b, sd.symmetric != 0) << (b * k);
   }
+  if (sd.outliers) {  // the slots: channel and x - (its dense decode), then empty ones
+    uint8_t* slots = plane + sd.outlier_off + (int64_t)off * sd.outliers * 4;
+    for (int j = 0; j < sd.outliers; ++j) {
+      const int ch = j < nout ? ochans[j] : -1;
+      if (ch < 0 ? lane == 0 : ch / 8 == lane) {
+        const int k = ch < 0 ? 0 : ch % 8;
+        const uint32_t code = (uint32_t)(packed >> (b * k)) & ((1u << b) - 1u);
+        store_outlier(slots + 4 * j, ch, x[k] - dense_value(sd, code, scale, zero));
+      }
+    }
+  }
   if (!mine) return;
   store_bytes(row + lane * b, packed, b);
   if (dynamic) {
@@ -157,7 +221,9 @@ __global__ void __launch_bounds__(128) write_rows_kernel(WriteParams p) {
                               : (int64_t)i * p.k_sn + (int64_t)h * p.k_sh;
     float x[8];
     for (int k = 0; k < 8; ++k) x[k] = mine ? load_act(src, base + lane * 8 + k, p.in_dtype) : 0.0f;
-    write_side_rows(sd, plane, off, h, x, mine, lane);
+    int ochans[kMaxOutliers];
+    const int nout = sd.outliers ? warp_select_outliers(x, mine, lane, sd.outliers, ochans) : 0;
+    write_side_rows(sd, plane, off, h, x, mine, lane, ochans, nout);
   }
 }
 
@@ -228,6 +294,8 @@ __global__ void __launch_bounds__(128) write_channel_kernel(WriteParams p) {
   }
   __shared__ int bad;
   __shared__ uint8_t codes[kMaxChannelGroup][kMaxHeadDim];
+  __shared__ int16_t ochan[kMaxChannelGroup][kMaxOutliers];  // outlier channels per token, -1
+  __shared__ float cscale[kMaxHeadDim], czero[kMaxHeadDim];   // per-channel params (slots)
   if (threadIdx.x == 0) bad = (i + G > p.N || slot + G > p.num_blocks * p.B) ? 1 : 0;
   __syncthreads();
   for (int t = 1 + threadIdx.x; t < G && !bad; t += blockDim.x)
@@ -243,12 +311,29 @@ __global__ void __launch_bounds__(128) write_channel_kernel(WriteParams p) {
   const void* src = side ? p.value : p.key;
   const int64_t sn = side ? p.v_sn : p.k_sn;
   const int64_t base = (int64_t)i * sn + (int64_t)h * (side ? p.v_sh : p.k_sh);
-  const int b = sd.bits, D = p.D;
+  const int b = sd.bits, D = p.D, n = sd.outliers;
+  auto outlier_at = [&](int t, int ch) {
+    for (int j = 0; j < n; ++j)
+      if (ochan[t][j] == ch) return true;
+    return false;
+  };
+  if (n) {  // each token's outliers, one warp per token
+    const int lane = threadIdx.x & 31;
+    for (int t = threadIdx.x >> 5; t < G; t += blockDim.x >> 5) {
+      float x[8];
+      const bool mine = lane * 8 < D;
+      for (int k = 0; k < 8; ++k) x[k] = mine ? load_act(src, base + t * sn + lane * 8 + k, p.in_dtype) : 0.0f;
+      int chans[kMaxOutliers];
+      const int filled = warp_select_outliers(x, mine, lane, n, chans);
+      if (lane < n) ochan[t][lane] = (int16_t)(lane < filled ? chans[lane] : -1);
+    }
+    __syncthreads();
+  }
   for (int ch = threadIdx.x; ch < D; ch += blockDim.x) {
     float lo = INFINITY, hi = -INFINITY, amax = 0.0f;
     for (int t = 0; t < G; ++t) {
       const float v = load_act(src, base + t * sn + ch, p.in_dtype);
-      if (v - v == 0.0f) {
+      if (v - v == 0.0f && !(n && outlier_at(t, ch))) {
         lo = fminf(lo, v);
         hi = fmaxf(hi, v);
         amax = fmaxf(amax, fabsf(v));
@@ -272,6 +357,8 @@ __global__ void __launch_bounds__(128) write_channel_kernel(WriteParams p) {
       codes[t][ch] = (uint8_t)(nuq ? kvq::quantize_nuq(v, qp, mids, 1 << b)
                                    : kvq::quantize_int(v, qp, b, sd.symmetric != 0));
     }
+    cscale[ch] = qp.scale;
+    czero[ch] = qp.zero;
     const int idx = (off / G) * D + ch;
     const uint16_t s16 = kvq::float_to_fp16_sat(qp.scale);
     plane[sd.scale_off + 2 * idx] = (uint8_t)s16;
@@ -289,6 +376,12 @@ __global__ void __launch_bounds__(128) write_channel_kernel(WriteParams p) {
     uint64_t packed = 0;
     for (int k = 0; k < 8; ++k) packed |= (uint64_t)codes[t][8 * o + k] << (b * k);
     store_bytes(plane + sd.data_off + (int64_t)(off + t) * sd.row_bytes + o * b, packed, b);
+  }
+  for (int e = threadIdx.x; e < G * n; e += blockDim.x) {  // outlier slots
+    const int t = e / n, j = e % n, ch = ochan[t][j];
+    const float x = ch < 0 ? 0.0f : load_act(src, base + t * sn + ch, p.in_dtype);
+    const float dense = ch < 0 ? 0.0f : dense_value(sd, codes[t][ch], cscale[ch], czero[ch]);
+    store_outlier(plane + sd.outlier_off + ((int64_t)(off + t) * n + j) * 4, ch, x - dense);
   }
 }
 
