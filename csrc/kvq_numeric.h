@@ -189,6 +189,19 @@ KVQ_HD QParams nuq_params(float lo, float hi) {
   p.zero = fp16_to_float(float_to_fp16_sat((hi + lo) / 2.0f));
   return p;
 }
+// Dynamic parameters (INT asym/sym, nuq, fp8) of a scale group from its finite values' min,
+// max and |max| (any: whether it had a finite value at all). One rule for every writer:
+// the CPU paths (csrc/cpu/write_common.h) and the CUDA kernels (kvq_write_cache.cuh).
+KVQ_HD QParams group_params(int32_t encoding, int32_t bits, bool symmetric, float lo, float hi,
+                            float amax, bool any) {
+  if (!any) { lo = 0.0f; hi = 0.0f; }
+  if (encoding == ENC_NUQ) return nuq_params(lo, hi);
+  if (encoding == ENC_INT) {
+    if (symmetric) return absmax_params(amax, (float)int_half(bits));
+    return int_asym_params(lo, hi, bits);
+  }
+  return absmax_params(amax, fp8_max(encoding));  // fp8 dynamic
+}
 KVQ_HD void nuq_midpoints(const float* levels, int n, float* mids) {
   for (int k = 0; k + 1 < n; ++k) mids[k] = (levels[k] + levels[k + 1]) * 0.5f;
 }

@@ -99,16 +99,9 @@ def markdown() -> str:
 
 # --- cases ---------------------------------------------------------------------------------
 def codebooks(fmt):
-    """(k_levels, v_levels) of a nuq format (None for the other codecs): non-uniform
-    ascending levels in [-1, 1] (|u|^1.6 of a uniform grid, as tests/test_cuda_emulated.py)."""
-    import torch
-
-    def levels(c):
-        if c.encoding != "nuq":
-            return None
-        u = torch.linspace(-1, 1, 2 ** c.bits)
-        return (u.sign() * u.abs() ** 1.6).contiguous()
-    return levels(fmt.key), levels(fmt.value)
+    """(k_levels, v_levels) of a nuq format, None for the other codecs (the tests' ones)."""
+    from vllm_kvq.tools.paged_attention_case import nonuniform_codebooks
+    return nonuniform_codebooks(fmt)
 
 
 def make_attention_case(fmt, D, Hq, H, B, qlens, ctx, dtype, seed):

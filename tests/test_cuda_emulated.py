@@ -27,7 +27,7 @@ import torch
 
 from vllm_kvq import reference as ref
 from vllm_kvq.formats import EXAMPLE_NAMES, parse_format
-from vllm_kvq.tools.paged_attention_case import attention_case, static_scales
+from vllm_kvq.tools.paged_attention_case import attention_case, static_scales, nonuniform_codebooks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -341,14 +341,6 @@ NUQ_FORMATS = ["nuq2_o0", "nuq3_o0", "nuq4_group32_o0", "nuq2_o0_sink"]
 OUTLIER_FORMATS = ["nuq2", "nuq3_group32_o1", "int4_token_o2", "nuq2_sink"]
 
 
-def _codebooks(fmt):
-    """Non-uniform ascending codebooks in [-1, 1] per side (|u|^1.6 of a uniform grid)."""
-    def levels(bits):
-        u = torch.linspace(-1, 1, 2 ** bits)
-        return (u.sign() * u.abs() ** 1.6).contiguous()
-    return levels(fmt.key.bits), levels(fmt.value.bits)
-
-
 @pytest.mark.parametrize("name", NUQ_FORMATS + OUTLIER_FORMATS)
 def test_write_cache_codebooks_and_outliers_byte_identical(emu, name):
     """nuq codes through the codebook, outlier slots (channel + fp16 correction, the values
@@ -356,7 +348,7 @@ def test_write_cache_codebooks_and_outliers_byte_identical(emu, name):
     fmt = parse_format(name)
     D, H, B, nb = 64, 3, _block(fmt), 7
     lay = fmt.layout(D, B)
-    kl, vl = _codebooks(fmt) if fmt.needs_levels else (None, None)
+    kl, vl = nonuniform_codebooks(fmt)
     G = max([c.group for c in (fmt.key, fmt.value) if c.granularity == "channel"] or [1])
     slots = (torch.cat([torch.arange(G) + 2 * B, torch.arange(2 * G) + 4 * B]) if G > 1 else
              torch.randperm(nb * B, generator=torch.Generator().manual_seed(1))[:41])
@@ -386,7 +378,7 @@ def test_attention_codebooks_and_outliers(emu, name, generic):
     the same pages would be off by more than the tolerance."""
     fmt = parse_format(name)
     D, Hq, H = 64, 6, 2
-    kl, vl = _codebooks(fmt) if fmt.needs_levels else (None, None)
+    kl, vl = nonuniform_codebooks(fmt)
     tokens = _sink_tokens(D, H) if fmt.sink else None
     c = attention_case(fmt, D, Hq, H, _block(fmt), [1, 24, 1, 1], [300, 70, 129, 0],
                        torch.bfloat16, 7, spare_blocks=2, levels=(kl, vl), tokens=tokens)

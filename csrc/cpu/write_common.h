@@ -30,16 +30,9 @@ struct SideQ {
   float levels[kvq::kMaxNuqLevels];  // nuq: the codebook (the outlier slots' dense decode)
 };
 
-// Dynamic parameters (INT asym/sym, nuq, fp8) of a group from its finite values' min, max
-// and |max| (any: whether it had a finite value at all). One rule for every ISA.
+// kvq::group_params of a codec (the rule shared with the CUDA writer).
 inline kvq::QParams group_params(const kvq::Codec& c, float lo, float hi, float amax, bool any) {
-  if (!any) { lo = 0.0f; hi = 0.0f; }
-  if (c.encoding == kvq::ENC_NUQ) return kvq::nuq_params(lo, hi);
-  if (c.encoding == kvq::ENC_INT) {
-    if (c.symmetric) return kvq::absmax_params(amax, (float)kvq::int_half(c.bits));
-    return kvq::int_asym_params(lo, hi, c.bits);
-  }
-  return kvq::absmax_params(amax, kvq::fp8_max(c.encoding));  // fp8 dynamic
+  return kvq::group_params(c.encoding, c.bits, c.symmetric != 0, lo, hi, amax, any);
 }
 
 // v is already fp16-rounded (QParams); -0.0 keeps its sign, as torch stores it.

@@ -67,10 +67,8 @@ KVQ_DEV float plane_value(const Side& sd, const uint8_t* plane, int t, int ch, i
     s = h2f(ld_u16(plane + sd.scale_off + 2 * idx));
     if (sd.has_zero) z = h2f(ld_u16(plane + sd.zero_off + 2 * idx));
   }
-  const float corr = sd.outliers ? outlier_correction(sd, plane, t, ch) : 0.0f;
-  if (sd.encoding == kvq::ENC_INT)
-    return kvq::dequantize_int(code, s, z, sd.bits, sd.symmetric != 0) + corr;
-  if (sd.encoding == kvq::ENC_NUQ) return kvq::dequantize_nuq(code, s, z, sd.levels) + corr;
+  if (sd.encoding == kvq::ENC_INT || sd.encoding == kvq::ENC_NUQ)
+    return dense_value(sd, code, s, z) + (sd.outliers ? outlier_correction(sd, plane, t, ch) : 0.0f);
   return kvq::fp8_to_float((uint8_t)code, sd.encoding) * s;
 }
 

@@ -144,6 +144,12 @@ KVQ_DEV float outlier_correction(const Side& sd, const uint8_t* plane, int t, in
   return c;
 }
 
+// The dense decode of an INT or nuq `code` with its group's (stored) scale / zero.
+KVQ_DEV float dense_value(const Side& sd, uint32_t code, float scale, float zero) {
+  return sd.encoding == kvq::ENC_NUQ ? kvq::dequantize_nuq(code, scale, zero, sd.levels)
+                                     : kvq::dequantize_int(code, scale, zero, sd.bits, sd.symmetric != 0);
+}
+
 // Channel ch of sink row t of a plane (the block's token t as int8 codes + a float32 scale,
 // vllm_kvq.residual.quantize_window_rows): code * scale.
 KVQ_DEV float sink_value(const Side& sd, const uint8_t* plane, int t, int ch, int D) {

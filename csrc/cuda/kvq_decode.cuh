@@ -63,7 +63,8 @@ KVQ_DEV void decode_staging(const AttnParams& p, int s, int h, int g0, int ng, c
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int q0 = p.qsl[s];
   const int st0 = p.R > 1 ? p.ssl[s] : 0, pos0 = p.R > 1 ? p.spos0[s] : sp.L;
-  const uint8_t* plane0 = p.cache + ((int64_t)p.block_table[(int64_t)s * p.bt_stride] * p.H + h) * p.plane_bytes;
+  const uint8_t* plane0 = sp.nsink ? p.cache + ((int64_t)p.block_table[(int64_t)s * p.bt_stride] * p.H + h) *
+                                             p.plane_bytes : nullptr;
   for (int hh = warp; hh < ng; hh += kDecodeWarps) {
     const int hq = h * p.G + g0 + hh;
     float qv[CPL], o[CPL];

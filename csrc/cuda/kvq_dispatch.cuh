@@ -80,7 +80,9 @@ inline std::string make_side(const kvq::Codec& c, const kvq::Region& r, int head
 inline void launch_write_cache(const WriteParams& p, cudaStream_t stream) {
   (void)stream;  // unused by the emulation
   if (p.N == 0) return;
-  const bool rows = p.side[0].gran != kvq::GRAN_CHANNEL || p.side[1].gran != kvq::GRAN_CHANNEL;
+  // write_rows_kernel also writes the sink rows of per-channel sides
+  const bool rows = p.side[0].gran != kvq::GRAN_CHANNEL || p.side[1].gran != kvq::GRAN_CHANNEL ||
+                    p.side[0].sink || p.side[1].sink;
   const bool chan = p.side[0].gran == kvq::GRAN_CHANNEL || p.side[1].gran == kvq::GRAN_CHANNEL;
   if (rows) {
     const int64_t items = (int64_t)p.N * p.H;
@@ -88,11 +90,6 @@ inline void launch_write_cache(const WriteParams& p, cudaStream_t stream) {
     KVQ_LAUNCH(&write_rows_kernel, grid, dim3(32 * kWarpRowsPerCta), stream)(p);
   }
   if (chan) KVQ_LAUNCH(&write_channel_kernel, dim3(p.N, p.H, 2), dim3(128), stream)(p);
-  if (p.side[0].sink || p.side[1].sink) {
-    const int64_t items = (int64_t)p.N * p.H;
-    const dim3 grid((unsigned)((items + kWarpRowsPerCta - 1) / kWarpRowsPerCta));
-    KVQ_LAUNCH(&write_sink_kernel, grid, dim3(32 * kWarpRowsPerCta), stream)(p);
-  }
 }
 
 // ---- attention -------------------------------------------------------------------------

@@ -12,8 +12,8 @@
 //  * outlier slots (Codec.outliers): a token's n finite values of largest |x| (kvq::
 //    select_outliers, ties to the lower channel) are left out of the dense scale statistics;
 //    each slot stores its channel and the fp16 correction x - (the dense decode there).
-//  * write_sink_kernel (formats with an attention sink): one warp per (token, kv head) whose
-//    slot is among its block's first `sink`: the token again as an int8 row per side.
+//  * the attention sink (sides with sink > 0): write_rows_kernel also stores a token among
+//    its block's first `sink` as an int8 row, for every side (per-channel ones included).
 #pragma once
 #include "kvq_cuda_common.cuh"
 
@@ -85,10 +85,11 @@ KVQ_DEV bool is_outlier(const int* chans, int n, int ch) {
   return false;
 }
 
-// The dense decode of `code` (INT or nuq) with the stored (fp16-rounded) scale / zero.
-KVQ_DEV float dense_value(const Side& sd, uint32_t code, float scale, float zero) {
-  return sd.encoding == kvq::ENC_NUQ ? kvq::dequantize_nuq(code, scale, zero, sd.levels)
-                                     : kvq::dequantize_int(code, scale, zero, sd.bits, sd.symmetric != 0);
+// One value's code (INT, nuq with the codebook's midpoints, or fp8) under its group's qp.
+KVQ_DEV uint32_t quantize_code(const Side& sd, float x, const kvq::QParams& qp, const float* mids) {
+  if (sd.encoding == kvq::ENC_NUQ) return kvq::quantize_nuq(x, qp, mids, 1 << sd.bits);
+  if (sd.encoding == kvq::ENC_INT) return kvq::quantize_int(x, qp, sd.bits, sd.symmetric != 0);
+  return kvq::quantize_fp8(x, qp.scale, sd.encoding);
 }
 
 KVQ_DEV void store_outlier(uint8_t* slot, int ch, float corr) {
@@ -96,6 +97,38 @@ KVQ_DEV void store_outlier(uint8_t* slot, int ch, float corr) {
   const uint16_t v = ch < 0 ? 0 : kvq::float_to_fp16_sat(corr);
   slot[0] = (uint8_t)c; slot[1] = (uint8_t)(c >> 8);
   slot[2] = (uint8_t)v; slot[3] = (uint8_t)(v >> 8);
+}
+
+// The attention sink's row of a token at block offset off < sink: int8 codes round(x * (1 /
+// s)) (half to even, clamped to +-127) and the float32 scale s = max|x| / 127 (1 for an
+// all-zero row; a non-finite max stores codes 0 and the scale as it is),
+// vllm_kvq.residual.quantize_window_rows. Lane i holds channels 8i..8i+7 in x; the max is
+// taken on the bits with the sign cleared, so NaN wins as in torch.
+KVQ_DEV void write_sink_row(const Side& sd, uint8_t* plane, int off, int D, const float (&x)[8],
+                            bool mine, int lane) {
+  uint32_t amax = 0u;
+  for (int k = 0; k < 8; ++k) {
+    const uint32_t u = kvq::float_bits(x[k]) & 0x7fffffffu;
+    amax = u > amax ? u : amax;
+  }
+#pragma unroll
+  for (int m = 1; m < 32; m <<= 1) {
+    const uint32_t o = shfl_xor(amax, m);
+    amax = o > amax ? o : amax;
+  }
+  float s = kvq::bits_float(amax) / 127.0f;
+  if (s == 0.0f) s = 1.0f;
+  const bool finite = s - s == 0.0f;
+  const float inv = 1.0f / s;
+  uint8_t* row = plane + sd.sink_off + (int64_t)off * kvq::int8_row_bytes(D);
+  if (mine) {
+    for (int k = 0; k < 8; ++k) {
+      const float c = finite ? fminf(fmaxf(rintf(x[k] * inv), -127.0f), 127.0f) : 0.0f;
+      row[lane * 8 + k] = (uint8_t)(int8_t)c;
+    }
+  }
+  // a NaN scale is stored as torch's amax gives it (0x7fc00000), whatever NaN came in
+  if (lane == 0) *reinterpret_cast<float*>(row + D) = s == s ? s : kvq::bits_float(0x7fc00000u);
 }
 
 // One side of one (token, head): the warp's lanes hold 8 channels each in x[]; ochans[0..
@@ -136,38 +169,18 @@ KVQ_DEV void write_side_rows(const Side& sd, uint8_t* plane, int off, int h,
     hi = group_max(hi, width);
     amax = group_max(amax, width);
   }
-  uint64_t packed = 0;
-  float scale = 0.0f, zero = 0.0f;
-  if (sd.encoding == kvq::ENC_FP8_E4M3 || sd.encoding == kvq::ENC_FP8_E5M2) {
-    scale = dynamic ? kvq::absmax_params(amax, kvq::fp8_max(sd.encoding)).scale
-                    : side_static_scale(sd, h);
-    for (int k = 0; k < 8; ++k)
-      packed |= (uint64_t)kvq::quantize_fp8(x[k], scale, sd.encoding) << (8 * k);
-  } else if (sd.encoding == kvq::ENC_NUQ) {  // always per token or group (dynamic)
-    if (!(lo <= hi)) lo = hi = 0.0f;  // no finite value in the group
-    const kvq::QParams qp = kvq::nuq_params(lo, hi);
-    float mids[kvq::kMaxNuqLevels];
-    kvq::nuq_midpoints(sd.levels, 1 << b, mids);
-    scale = qp.scale;
-    zero = qp.zero;
-    for (int k = 0; k < 8; ++k)
-      packed |= (uint64_t)kvq::quantize_nuq(x[k], qp, mids, 1 << b) << (b * k);
-  } else {  // ENC_INT
-    kvq::QParams qp;
-    if (!dynamic) {
-      qp.scale = side_static_scale(sd, h);
-      qp.zero = 0.0f;
-    } else if (sd.symmetric) {
-      qp = kvq::absmax_params(amax, (float)kvq::int_half(b));
-    } else {
-      if (!(lo <= hi)) lo = hi = 0.0f;  // no finite value in the group
-      qp = kvq::int_asym_params(lo, hi, b);
-    }
-    scale = qp.scale;
-    zero = qp.zero;
-    for (int k = 0; k < 8; ++k)
-      packed |= (uint64_t)kvq::quantize_int(x[k], qp, b, sd.symmetric != 0) << (b * k);
+  kvq::QParams qp;
+  if (dynamic) {  // lo <= hi: the group had a finite (dense) value
+    qp = kvq::group_params(sd.encoding, b, sd.symmetric != 0, lo, hi, amax, lo <= hi);
+  } else {
+    qp.scale = side_static_scale(sd, h);
+    qp.zero = 0.0f;
   }
+  float mids[kvq::kMaxNuqLevels];
+  if (sd.encoding == kvq::ENC_NUQ) kvq::nuq_midpoints(sd.levels, 1 << b, mids);
+  uint64_t packed = 0;
+  for (int k = 0; k < 8; ++k) packed |= (uint64_t)quantize_code(sd, x[k], qp, mids) << (b * k);
+  const float scale = qp.scale, zero = qp.zero;
   if (sd.outliers) {  // the slots: channel and x - (its dense decode), then empty ones
     uint8_t* slots = plane + sd.outlier_off + (int64_t)off * sd.outliers * 4;
     for (int j = 0; j < sd.outliers; ++j) {
@@ -215,66 +228,21 @@ __global__ void __launch_bounds__(128) write_rows_kernel(WriteParams p) {
   const bool mine = lane * 8 < p.D;
   for (int side = 0; side < 2; ++side) {
     const Side& sd = p.side[side];
-    if (sd.gran == kvq::GRAN_CHANNEL) continue;
+    const bool sink = off < sd.sink;  // warp-uniform, like the granularity
+    if (sd.gran == kvq::GRAN_CHANNEL && !sink) continue;
     const void* src = side ? p.value : p.key;
     const int64_t base = side ? (int64_t)i * p.v_sn + (int64_t)h * p.v_sh
                               : (int64_t)i * p.k_sn + (int64_t)h * p.k_sh;
     float x[8];
     for (int k = 0; k < 8; ++k) x[k] = mine ? load_act(src, base + lane * 8 + k, p.in_dtype) : 0.0f;
+    if (sink) write_sink_row(sd, plane, off, p.D, x, mine, lane);
+    if (sd.gran == kvq::GRAN_CHANNEL) continue;  // write_channel_kernel's
     int ochans[kMaxOutliers];
     const int nout = sd.outliers ? warp_select_outliers(x, mine, lane, sd.outliers, ochans) : 0;
     write_side_rows(sd, plane, off, h, x, mine, lane, ochans, nout);
   }
 }
 
-// The attention sink's rows (sides with sink > 0): a token at block offset off < sink is
-// also stored as int8 codes round(x * (1 / s)) (half to even, clamped to +-127) and the
-// float32 scale s = max|x| / 127 (1 for an all-zero row; a non-finite max stores codes 0
-// and the scale as it is), vllm_kvq.residual.quantize_window_rows. Lane i owns channels
-// 8i..8i+7; the max is taken on the bits with the sign cleared, so NaN wins as in torch.
-__global__ void __launch_bounds__(128) write_sink_kernel(WriteParams p) {
-  const int lane = threadIdx.x & 31;
-  const int64_t item = (int64_t)blockIdx.x * 4 + (threadIdx.x >> 5);
-  if (item >= (int64_t)p.N * p.H) return;  // warp-uniform
-  const int i = (int)(item / p.H), h = (int)(item % p.H);
-  const int64_t slot = load_slot(p, i);
-  if (slot < 0 || slot >= p.num_blocks * p.B) return;  // write_rows_kernel flags the latter
-  const int off = (int)(slot % p.B);
-  uint8_t* plane = p.cache + ((slot / p.B) * p.H + h) * p.plane_bytes;
-  const bool mine = lane * 8 < p.D;
-  for (int side = 0; side < 2; ++side) {
-    const Side& sd = p.side[side];
-    if (off >= sd.sink) continue;  // warp-uniform
-    const void* src = side ? p.value : p.key;
-    const int64_t base = side ? (int64_t)i * p.v_sn + (int64_t)h * p.v_sh
-                              : (int64_t)i * p.k_sn + (int64_t)h * p.k_sh;
-    float x[8];
-    uint32_t amax = 0u;
-    for (int k = 0; k < 8; ++k) {
-      x[k] = mine ? load_act(src, base + lane * 8 + k, p.in_dtype) : 0.0f;
-      const uint32_t u = kvq::float_bits(x[k]) & 0x7fffffffu;
-      amax = u > amax ? u : amax;
-    }
-#pragma unroll
-    for (int m = 1; m < 32; m <<= 1) {
-      const uint32_t o = shfl_xor(amax, m);
-      amax = o > amax ? o : amax;
-    }
-    float s = kvq::bits_float(amax) / 127.0f;
-    if (s == 0.0f) s = 1.0f;
-    const bool finite = s - s == 0.0f;
-    const float inv = 1.0f / s;
-    uint8_t* row = plane + sd.sink_off + (int64_t)off * kvq::int8_row_bytes(p.D);
-    if (mine) {
-      for (int k = 0; k < 8; ++k) {
-        const float c = finite ? fminf(fmaxf(rintf(x[k] * inv), -127.0f), 127.0f) : 0.0f;
-        row[lane * 8 + k] = (uint8_t)(int8_t)c;
-      }
-    }
-    // a NaN scale is stored as torch's amax gives it (0x7fc00000), whatever NaN came in
-    if (lane == 0) *reinterpret_cast<float*>(row + p.D) = s == s ? s : kvq::bits_float(0x7fc00000u);
-  }
-}
 
 constexpr int kMaxChannelGroup = 128;
 constexpr int kMaxHeadDim = 256;
@@ -339,24 +307,11 @@ __global__ void __launch_bounds__(128) write_channel_kernel(WriteParams p) {
         amax = fmaxf(amax, fabsf(v));
       }
     }
-    kvq::QParams qp;
-    const bool nuq = sd.encoding == kvq::ENC_NUQ;
+    const kvq::QParams qp = kvq::group_params(sd.encoding, b, sd.symmetric != 0, lo, hi, amax, lo <= hi);
     float mids[kvq::kMaxNuqLevels];
-    if (nuq) {
-      if (!(lo <= hi)) lo = hi = 0.0f;
-      qp = kvq::nuq_params(lo, hi);
-      kvq::nuq_midpoints(sd.levels, 1 << b, mids);
-    } else if (sd.symmetric) {
-      qp = kvq::absmax_params(amax, (float)kvq::int_half(b));
-    } else {
-      if (!(lo <= hi)) lo = hi = 0.0f;
-      qp = kvq::int_asym_params(lo, hi, b);
-    }
-    for (int t = 0; t < G; ++t) {
-      const float v = load_act(src, base + t * sn + ch, p.in_dtype);
-      codes[t][ch] = (uint8_t)(nuq ? kvq::quantize_nuq(v, qp, mids, 1 << b)
-                                   : kvq::quantize_int(v, qp, b, sd.symmetric != 0));
-    }
+    if (sd.encoding == kvq::ENC_NUQ) kvq::nuq_midpoints(sd.levels, 1 << b, mids);
+    for (int t = 0; t < G; ++t)
+      codes[t][ch] = (uint8_t)quantize_code(sd, load_act(src, base + t * sn + ch, p.in_dtype), qp, mids);
     cscale[ch] = qp.scale;
     czero[ch] = qp.zero;
     const int idx = (off / G) * D + ch;

@@ -26,6 +26,18 @@ def static_scales(fmt, H: int, seed: int) -> list[torch.Tensor]:
     return out
 
 
+def nonuniform_codebooks(fmt) -> tuple:
+    """(k_levels, v_levels) for a format's nuq sides (None for the others): non-uniform
+    ascending levels in [-1, 1], |u|^1.6 of a uniform grid u, so that reading the pages
+    with the uniform grid instead would show."""
+    def levels(c):
+        if c.encoding != "nuq":
+            return None
+        u = torch.linspace(-1, 1, 2 ** c.bits)
+        return (u.sign() * u.abs() ** 1.6).contiguous()
+    return levels(fmt.key), levels(fmt.value)
+
+
 def attention_case(fmt, D: int, Hq: int, H: int, B: int, qlens: list[int], ctx: list[int],
                    dtype, seed: int, spare_blocks: int = 3, *, scales=None,
                    levels=(None, None), tokens=None, extra_rows: int = 0,
