@@ -14,7 +14,7 @@ import signal
 import sys
 import traceback
 
-from vllm_kvq.tools.evaluate import (capacity, default_inputs, engine_kwargs,
+from vllm_kvq.tools.evaluate import (anon_huge_kib, capacity, default_inputs, engine_kwargs,
                                      greedy_with_margins, run_method)
 from vllm_kvq.model_prep import MODELS, ensure_model
 from vllm_kvq.tools.faults import install_from_env as install_fault_from_env
@@ -140,6 +140,7 @@ def main(argv: list[str]):
         result["preemptions"] = counters.get("vllm:num_preemptions", 0)
         result["spec_draft_tokens"] = counters.get("vllm:spec_decode_num_draft_tokens", 0)
         result["spec_accepted_tokens"] = counters.get("vllm:spec_decode_num_accepted_tokens", 0)
+        result["anon_huge_kib"] = anon_huge_kib()
     with open(out, "w") as f:
         json.dump(result, f)
 

@@ -11,8 +11,9 @@ import pytest
 from conftest import assert_same_up_to_ties, assert_size_bar, assert_within, grid
 from conftest import run_engine as run
 
-from vllm_kvq.tools.evaluate import compare_runs
+from vllm_kvq import hugepages
 from vllm_kvq.formats import parse_format
+from vllm_kvq.tools.evaluate import compare_runs
 
 pytestmark = pytest.mark.e2e
 SMOL = dict(layers=30, kv_heads=3, head_dim=64)
@@ -101,6 +102,20 @@ def test_our_bf16_is_vllm_bf16():
     print(json.dumps(cmp))
     assert_within(cmp, BF16_PARITY, min_positions=500)
     assert ours["capacity_tokens"] == pytest.approx(theirs["capacity_tokens"], rel=0.02)
+
+
+def test_an_engine_served_by_vllm_kvq_has_its_kv_cache_on_huge_pages():
+    """Where transparent huge pages are in madvise mode, the plugin puts the KV cache of an
+    engine served by vllm-kvq on huge pages (vllm_kvq.hugepages) and leaves vLLM's own
+    backend's as vLLM allocated it. The two engines of test_our_bf16_is_vllm_bf16: the
+    teacher-forced run writes 2 x 1024 tokens x 30 layers of bf16 K/V (~47 MiB) scattered
+    over the pool's blocks, each 2 MiB of the buffer it touches a huge page."""
+    if hugepages.thp_mode() != "madvise":
+        pytest.skip(f"transparent huge pages mode {hugepages.thp_mode() or 'none'}")
+    ours, theirs = run("quality", "bf16", BF16_MODEL), run("quality", "vllm", BF16_MODEL)
+    print(ours["anon_huge_kib"], theirs["anon_huge_kib"])
+    assert ours["anon_huge_kib"] >= 40 * 1024
+    assert theirs["anon_huge_kib"] <= ours["anon_huge_kib"] - 40 * 1024
 
 
 @pytest.mark.parametrize("method", list(QUALITY))

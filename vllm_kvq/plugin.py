@@ -5,7 +5,9 @@ and must not need any configuration. What it does, and nothing else:
   1. check that the installed vLLM is the one this plugin was written against;
   2. register vllm_kvq.backend.KVQAttentionBackend as AttentionBackendEnum.CUSTOM;
   3. CPU only: CpuPlatform.get_attn_backend_cls ignores CUSTOM; honour it;
-  4. CPU only: let pipeline parallelism run with enforce_eager (a vLLM 0.32 CPU gap);
+  4. CPU only: let pipeline parallelism run with enforce_eager (a vLLM 0.32 CPU gap), and
+     put an engine's KV cache on transparent huge pages when it serves through vllm-kvq
+     (vllm_kvq.hugepages);
   5. validate the `kvq` config in the platform's check_and_update_config (the front-end
      process, before any engine starts).
 The residual window needs nothing here: its blocks come from vLLM's own pool
@@ -94,7 +96,7 @@ def _patch_platform(platform_cls) -> None:
             return orig_select(cls, selected_backend, attn_selector_config, num_heads)
 
         platform_cls.get_attn_backend_cls = classmethod(get_attn_backend_cls)
-        _when_imported("vllm.v1.worker.cpu_model_runner", _patch_cpu_pipeline_warmup)
+        _when_imported("vllm.v1.worker.cpu_model_runner", _patch_cpu_kv_cache_setup)
     setattr(platform_cls, _PATCHED, True)
 
 
@@ -127,18 +129,31 @@ def _when_imported(name: str, patch) -> None:
     sys.meta_path.insert(0, Finder())
 
 
-def _patch_cpu_pipeline_warmup(module) -> None:
-    """vLLM 0.32's CPU runner skips its warm-up dummy run under enforce_eager with an
-    explicit KV budget, and that run is where a non-first pipeline stage allocates its
-    intermediate-tensor buffers: the first real step then fails (`assert
-    self.intermediate_tensors is not None`), with vLLM's own backend as with ours. Allocate
-    them as the dummy run would, once the KV cache is set up."""
+def _patch_cpu_kv_cache_setup(module) -> None:
+    """Two things once vLLM's CPU runner has allocated the KV cache, before any step:
+    - with vllm-kvq's backend, its buffer goes on transparent huge pages (nothing is written
+      to it yet; vllm_kvq.hugepages has why and the measurement);
+    - vLLM 0.32's CPU runner skips its warm-up dummy run under enforce_eager with an
+      explicit KV budget, and that run is where a non-first pipeline stage allocates its
+      intermediate-tensor buffers: the first real step then fails (`assert
+      self.intermediate_tensors is not None`), with vLLM's own backend as with ours.
+      Allocate them as the dummy run would."""
     CPUModelRunner = module.CPUModelRunner
     orig = CPUModelRunner.initialize_kv_cache
 
     def initialize_kv_cache(self, *args, **kwargs) -> None:
         orig(self, *args, **kwargs)
         from vllm.distributed.parallel_state import get_pp_group
+
+        profiling = kwargs.get("is_profiling", len(args) > 1 and args[1])
+        if uses_kvq(self.vllm_config) and not profiling:
+            from vllm.logger import init_logger
+
+            from vllm_kvq.hugepages import advise_huge_pages
+            advised = advise_huge_pages(list(self.kv_caches))
+            if advised:
+                init_logger("vllm." + __name__).info("vllm-kvq: %d MiB of KV cache on transparent "
+                                           "huge pages", advised >> 20)
 
         if self.intermediate_tensors is None and not get_pp_group().is_first_rank:
             self.intermediate_tensors = self.model.make_empty_intermediate_tensors(

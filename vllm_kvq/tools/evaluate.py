@@ -120,7 +120,19 @@ def run_method(method, model: str, windows: list[list[int]], kv_budget: int = 25
     prompts = GREEDY_PROMPTS if greedy_prompts is None else greedy_prompts
     run["greedy"] = greedy(llm, prompts) if prompts else []
     run["prefill_s"] = t2 - t1
+    run["anon_huge_kib"] = anon_huge_kib()  # the engine (in this process) still alive
     return run
+
+
+def anon_huge_kib() -> int:
+    """KiB of this process's memory on transparent huge pages (Linux; 0 elsewhere): with an
+    in-process engine served by vllm-kvq, its KV cache's written part (vllm_kvq.hugepages)."""
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            return next((int(line.split()[1]) for line in f
+                         if line.startswith("AnonHugePages:")), 0)
+    except OSError:
+        return 0
 
 
 # --- scoring ------------------------------------------------------------------------------

@@ -1,0 +1,60 @@
+"""vllm_kvq.hugepages: an unused zeroed buffer goes on transparent huge pages, stays zero,
+and nothing else is touched (file-backed memory, the switch off)."""
+import pytest
+import torch
+
+from vllm_kvq import hugepages
+
+MIB = 1 << 20
+
+
+def huge_kib_in(t: torch.Tensor) -> int:
+    """AnonHugePages (KiB) of the mappings overlapping t's memory."""
+    lo, hi = t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and all(c in "0123456789abcdef-" for c in head):
+                a, b = (int(x, 16) for x in head.split("-"))
+                inside = a < hi and b > lo
+            elif inside and line.startswith("AnonHugePages:"):
+                total += int(line.split()[1])
+    return total
+
+
+needs_madvise = pytest.mark.skipif(hugepages.thp_mode() != "madvise",
+                                   reason="transparent huge pages not in madvise mode here")
+
+
+@needs_madvise
+def test_an_unused_zeroed_buffer_goes_on_huge_pages_and_stays_zero():
+    buf = torch.zeros(24 * MIB, dtype=torch.uint8)
+    assert huge_kib_in(buf) == 0  # madvise mode: 4 KiB pages as allocated
+    advised = hugepages.advise_huge_pages([buf, buf[MIB:]])  # one storage, advised once
+    assert advised >= 20 * MIB and advised % hugepages.HUGE_PAGE == 0
+    assert int(buf.count_nonzero()) == 0  # read back as zeros
+    buf.fill_(7)  # first touch faults in huge pages
+    assert huge_kib_in(buf) >= 20 * 1024
+    assert int((buf == 7).sum()) == buf.numel()
+
+
+@needs_madvise
+def test_file_backed_memory_and_the_switch_off_are_left_alone(tmp_path, monkeypatch):
+    path = tmp_path / "pages"
+    path.write_bytes(bytes(range(256)) * (16 * MIB // 256))
+    mapped = torch.from_file(str(path), shared=True, size=16 * MIB, dtype=torch.uint8)
+    assert hugepages.advise_huge_pages([mapped]) == 0  # not private anonymous memory
+    assert int(mapped[:256].sum()) == sum(range(256))  # its data still there
+    monkeypatch.setattr(hugepages, "ENABLED", False)  # KVQ_HUGE_PAGES=0
+    assert hugepages.advise_huge_pages([torch.zeros(8 * MIB, dtype=torch.uint8)]) == 0
+
+
+def test_thp_mode_reads_the_kernels_choice(tmp_path, monkeypatch):
+    f = tmp_path / "enabled"
+    f.write_text("always [madvise] never\n")
+    monkeypatch.setattr(hugepages, "THP_MODE_FILE", str(f))
+    assert hugepages.thp_mode() == "madvise"
+    monkeypatch.setattr(hugepages, "THP_MODE_FILE", str(tmp_path / "missing"))
+    assert hugepages.thp_mode() == ""
+    assert hugepages.advise_huge_pages([torch.zeros(4 * MIB, dtype=torch.uint8)]) == 0
