@@ -152,8 +152,8 @@ def _patch_cpu_kv_cache_setup(module) -> None:
             from vllm_kvq.hugepages import advise_huge_pages
             advised = advise_huge_pages(list(self.kv_caches))
             if advised:
-                init_logger("vllm." + __name__).info("vllm-kvq: %d MiB of KV cache on transparent "
-                                           "huge pages", advised >> 20)
+                init_logger("vllm." + __name__).info(
+                    "vllm-kvq: %d MiB of KV cache on transparent huge pages", advised >> 20)
 
         if self.intermediate_tensors is None and not get_pp_group().is_first_rank:
             self.intermediate_tensors = self.model.make_empty_intermediate_tensors(
