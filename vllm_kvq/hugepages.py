@@ -4,8 +4,8 @@ vLLM 0.32 allocates every layer's KV cache as views of one zeroed buffer in whic
 layer l sits at b * block_stride + l * layer_stride: a decode step reads each sequence's
 blocks of one layer scattered over the whole buffer, a few 4 KiB pages per block, so the
 kernels take TLB misses at block switches (perf: the next tile's prefetch instructions
-stall). Where transparent huge pages are in `madvise` mode (the usual distribution
-default), that buffer stays on 4 KiB pages. `advise_huge_pages` marks it MADV_HUGEPAGE and
+stall). Where transparent huge pages are in `madvise` mode (Ubuntu's default, and this
+project's test machines'), that buffer stays on 4 KiB pages. `advise_huge_pages` marks it MADV_HUGEPAGE and
 drops its (all-zero, not yet used) pages with MADV_DONTNEED, so each 2 MiB is faulted back
 as one huge page on first write. Measured (benchmarks/bench_huge_pages.py: a decode step's 30
 attention calls over that layout, 4 KiB vs huge pages alternating, 2-core Zen 4, 9/3/64;
