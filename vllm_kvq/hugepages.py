@@ -58,8 +58,10 @@ def _private_anonymous(start: int, end: int) -> bool:
                 lo, hi = (int(x, 16) for x in fields[0].split("-"))
                 if hi <= covered or lo >= end:
                     continue
-                anonymous = fields[4] == "0" and (len(fields) == 5 or
-                                                  fields[5].startswith("[anon"))
+                # unnamed, "[anon:...]" or glibc's "[heap]" (a buffer below its mmap
+                # threshold): private anonymous memory all
+                anonymous = fields[4] == "0" and (len(fields) == 5 or fields[5] == "[heap]"
+                                                  or fields[5].startswith("[anon"))
                 if lo > covered or not fields[1].endswith("p") or not anonymous:
                     return False
                 covered = hi
