@@ -1,5 +1,9 @@
 """vllm_kvq.hugepages: an unused zeroed buffer goes on transparent huge pages, stays zero,
 and nothing else is touched (file-backed memory, the switch off)."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -58,3 +62,16 @@ def test_thp_mode_reads_the_kernels_choice(tmp_path, monkeypatch):
     monkeypatch.setattr(hugepages, "THP_MODE_FILE", str(tmp_path / "missing"))
     assert hugepages.thp_mode() == ""
     assert hugepages.advise_huge_pages([torch.zeros(4 * MIB, dtype=torch.uint8)]) == 0
+
+
+def test_which_engines_get_huge_pages(monkeypatch):
+    for mode, ours, theirs in (("1", True, False), ("0", False, False), ("all", True, True)):
+        monkeypatch.setattr(hugepages, "MODE", mode)
+        assert (hugepages.wanted(True), hugepages.wanted(False)) == (ours, theirs), mode
+
+
+def test_a_bad_switch_value_is_refused_by_name():
+    r = subprocess.run([sys.executable, "-c", "import vllm_kvq.hugepages"], text=True,
+                       capture_output=True, env={**os.environ, "KVQ_HUGE_PAGES": "yes"})
+    assert r.returncode != 0
+    assert "KVQ_HUGE_PAGES='yes'; allowed: 0, 1, all" in r.stderr

@@ -16,7 +16,9 @@ engines keep 4 KiB pages: the plugin leaves vLLM's backend as it is; with THP `a
 both get huge pages).
 
 Only for a buffer nothing has been written to: the plugin calls it right after vLLM
-allocated the cache, before any step. KVQ_HUGE_PAGES=0 turns it off (A/B runs).
+allocated the cache, before any step. KVQ_HUGE_PAGES=0 turns it off (A/B runs); =all also
+gives it to engines on vLLM's own backend (like-for-like comparisons: the default leaves
+vLLM's backend as vLLM allocates it).
 """
 from __future__ import annotations
 
@@ -30,7 +32,12 @@ import torch
 HUGE_PAGE = 2 << 20
 MADV_DONTNEED = 4
 MADV_HUGEPAGE = 14
-ENABLED = os.environ.get("KVQ_HUGE_PAGES", "1") != "0"
+MODES = ("0", "1", "all")
+MODE = os.environ.get("KVQ_HUGE_PAGES", "1")
+if MODE not in MODES:
+    raise ValueError(f"KVQ_HUGE_PAGES={MODE!r}; allowed: {', '.join(MODES)} (0: off, 1: the "
+                     f"KV cache of engines served by vllm-kvq, all: every engine's)")
+ENABLED = MODE != "0"
 THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -70,6 +77,11 @@ def _private_anonymous(start: int, end: int) -> bool:
     except (OSError, ValueError, IndexError):
         pass
     return False
+
+
+def wanted(served_by_kvq: bool) -> bool:
+    """Whether an engine's KV cache goes on huge pages (KVQ_HUGE_PAGES)."""
+    return MODE == "all" or (MODE == "1" and served_by_kvq)
 
 
 def advise_huge_pages(buffers: list[torch.Tensor]) -> int:

@@ -131,8 +131,8 @@ def _when_imported(name: str, patch) -> None:
 
 def _patch_cpu_kv_cache_setup(module) -> None:
     """Two things once vLLM's CPU runner has allocated the KV cache, before any step:
-    - with vllm-kvq's backend, its buffer goes on transparent huge pages (nothing is written
-      to it yet; vllm_kvq.hugepages has why and the measurement);
+    - with vllm-kvq's backend (or KVQ_HUGE_PAGES=all), its buffer goes on transparent huge
+      pages (nothing is written to it yet; vllm_kvq.hugepages has why and the measurement);
     - vLLM 0.32's CPU runner skips its warm-up dummy run under enforce_eager with an
       explicit KV budget, and that run is where a non-first pipeline stage allocates its
       intermediate-tensor buffers: the first real step then fails (`assert
@@ -145,12 +145,12 @@ def _patch_cpu_kv_cache_setup(module) -> None:
         orig(self, *args, **kwargs)
         from vllm.distributed.parallel_state import get_pp_group
 
+        from vllm_kvq import hugepages
         profiling = kwargs.get("is_profiling", len(args) > 1 and args[1])
-        if uses_kvq(self.vllm_config) and not profiling:
+        if hugepages.wanted(uses_kvq(self.vllm_config)) and not profiling:
             from vllm.logger import init_logger
 
-            from vllm_kvq.hugepages import advise_huge_pages
-            advised = advise_huge_pages(list(self.kv_caches))
+            advised = hugepages.advise_huge_pages(list(self.kv_caches))
             if advised:
                 init_logger("vllm." + __name__).info(
                     "vllm-kvq: %d MiB of KV cache on transparent huge pages", advised >> 20)
