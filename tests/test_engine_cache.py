@@ -113,9 +113,10 @@ def test_an_engine_served_by_vllm_kvq_has_its_kv_cache_on_huge_pages():
     if hugepages.thp_mode() != "madvise":
         pytest.skip(f"transparent huge pages mode {hugepages.thp_mode() or 'none'}")
     ours, theirs = run("quality", "bf16", BF16_MODEL), run("quality", "vllm", BF16_MODEL)
-    print(ours["anon_huge_kib"], theirs["anon_huge_kib"])
-    assert ours["anon_huge_kib"] >= 40 * 1024
-    assert theirs["anon_huge_kib"] <= ours["anon_huge_kib"] - 40 * 1024
+    # measured: 70 MiB and 0 (at least 4 huge pages asked: a fragmented machine's kernel
+    # may fall back to 4 KiB pages for some)
+    assert ours["anon_huge_kib"] >= 8 * 1024
+    assert theirs["anon_huge_kib"] < ours["anon_huge_kib"]
 
 
 @pytest.mark.parametrize("method", list(QUALITY))
