@@ -6,7 +6,7 @@ effective GB/s of KV bytes read (pages incl. scales; min over repeats), speed ra
 bf16 kernel (torch.ops._C.cpu_attention_with_kv_cache) on the same shape in the same run.
 
   python benchmarks/bench_cpu_attention.py [--quick] [--threads N] [--formats bf16,kivi2]
-      [--shapes 32/8/128,9/3/64] [--batches 4,16] [--contexts 512,32768]
+      [--shapes 32/8/128,9/3/64] [--batches 4,16] [--contexts 512,32768] [--huge-pages]
 
 nuq formats (e.g. --formats nuq3,int4_token_o1) run with the uniform codebook: the speed of
 a codebook does not depend on its levels.
@@ -23,8 +23,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import torch  # noqa: E402
 
-from vllm_kvq import ops
+from vllm_kvq import hugepages, ops
 from vllm_kvq.formats import parse_format
+from vllm_kvq.tools import kernel_timing
 from vllm_kvq.tools.kernel_timing import (BASE_TOKENS, decode_case, timeit, vllm_available,
                                            vllm_decode_case, vllm_isa)
 
@@ -56,12 +57,16 @@ def main():
     ap.add_argument("--contexts", default=None,
                     help="e.g. 512,32768 (default 1024,4096,16384)")
     ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--huge-pages", action="store_true",
+                    help="both sides' caches on transparent huge pages (what an engine served "
+                         "by vllm-kvq gets; vllm_kvq.hugepages); default: as allocated")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch/OpenMP threads (0: torch's default); on a shared or oversubscribed "
                          "machine 1 thread gives the stablest numbers")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    kernel_timing.HUGE_PAGES = args.huge_pages
     formats = args.formats.split(",")
     batches, contexts = (BATCHES[:2], CONTEXTS[:2]) if args.quick else (BATCHES, CONTEXTS)
     if args.batches:
@@ -74,7 +79,9 @@ def main():
     have_vllm = not args.no_vllm and vllm_available()
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"vllm-kvq SIMD path {ops.simd_path()}, vLLM CPU attention: "
-          f"{'isa ' + vllm_isa() if have_vllm else 'not available'}")
+          f"{'isa ' + vllm_isa() if have_vllm else 'not available'}, caches on "
+          f"{'huge pages' if args.huge_pages else 'pages as allocated'} (THP mode "
+          f"{hugepages.thp_mode() or 'none'})")
     hdr = (f"{'Hq/H/D':>10} {'batch':>5} {'ctx':>6} {'format':>14} {'ms':>9} {'GB/s':>7} "
            f"{'x our bf16':>10} {'x vLLM bf16':>11} {'cpu ms':>9} {'cpu x bf16':>10} "
            f"{'cpu x vLLM':>10}")

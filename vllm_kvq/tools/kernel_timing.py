@@ -12,12 +12,24 @@ import time
 
 import torch
 
-from vllm_kvq import ops
+from vllm_kvq import hugepages, ops
 from vllm_kvq.formats import parse_format
 from vllm_kvq.reference import uniform_levels
 
 BLOCK = 128
 BASE_TOKENS = 2048
+# Both sides' caches on transparent huge pages (vllm_kvq.hugepages; what an engine served by
+# vllm-kvq gets, and vLLM's own with THP `always` or KVQ_HUGE_PAGES=all); off: as allocated.
+HUGE_PAGES = False
+
+
+def cache_tensor(*shape, dtype) -> torch.Tensor:
+    """A cache buffer for a case: zeroed, on huge pages where HUGE_PAGES asks for them."""
+    t = torch.zeros(*shape, dtype=dtype)
+    if HUGE_PAGES and not hugepages.advise_huge_pages([t]):
+        raise RuntimeError(f"huge pages asked for but not available (transparent huge pages "
+                           f"mode: {hugepages.thp_mode() or 'none'}; needs madvise)")
+    return t
 
 
 def timeit(fn, min_time=0.4, min_reps=3, max_reps=2000) -> tuple[float, float]:
@@ -57,7 +69,7 @@ def decode_case(name: str, H, D, batch, ctx, gen, q, k, v):
     fmt = parse_format(name)
     lay = fmt.layout(D, BLOCK)
     bt, total = block_tables(batch, ctx, gen)
-    cache = torch.empty(total, H, BLOCK, lay.token_bytes, dtype=torch.uint8)
+    cache = cache_tensor(total, H, BLOCK, lay.token_bytes, dtype=torch.uint8)
     nbase = min(total, BASE_TOKENS // BLOCK)
     lv = {side: uniform_levels(c.bits) if c.encoding == "nuq" else None
           for side, c in (("k_levels", fmt.key), ("v_levels", fmt.value))}
@@ -125,7 +137,7 @@ def vllm_decode_case(Hq, H, D, batch, ctx, gen, q, k, v):
     `run()` calling its CPU attention op for q at position ctx-1 into `out`."""
     isa = vllm_isa()
     bt, total = block_tables(batch, ctx, gen)
-    kv = torch.empty(total, H, BLOCK, 2 * D, dtype=torch.bfloat16)
+    kv = cache_tensor(total, H, BLOCK, 2 * D, dtype=torch.bfloat16)
     kc, vc = kv.view(total, H, 2 * BLOCK, D).chunk(2, dim=2)
     nbase = min(total, BASE_TOKENS // BLOCK)
     torch.ops._C.cpu_attn_reshape_and_cache(k[:nbase * BLOCK], v[:nbase * BLOCK], kc, vc,
