@@ -54,7 +54,7 @@ def test_file_backed_memory_and_the_switch_off_are_left_alone(tmp_path, monkeypa
     mapped = torch.from_file(str(path), shared=True, size=16 * MIB, dtype=torch.uint8)
     assert hugepages.advise_huge_pages([mapped]) == 0  # not private anonymous memory
     assert int(mapped[:256].sum()) == sum(range(256))  # its data still there
-    monkeypatch.setattr(hugepages, "ENABLED", False)  # KVQ_HUGE_PAGES=0
+    monkeypatch.setattr(hugepages, "MODE", "0")  # KVQ_HUGE_PAGES=0
     assert hugepages.advise_huge_pages([torch.zeros(8 * MIB, dtype=torch.uint8)]) == 0
 
 

@@ -5,11 +5,11 @@ layer l sits at b * block_stride + l * layer_stride: a decode step reads each se
 blocks of one layer scattered over the whole buffer, a few 4 KiB pages per block, so the
 kernels take TLB misses at block switches (perf: the next tile's prefetch instructions
 stall). Where transparent huge pages are in `madvise` mode (Ubuntu's default, and this
-project's test machines'), that buffer stays on 4 KiB pages. `advise_huge_pages` marks it MADV_HUGEPAGE and
-drops its (all-zero, not yet used) pages with MADV_DONTNEED, so each 2 MiB is faulted back
-as one huge page on first write. Measured (benchmarks/bench_huge_pages.py: a decode step's 30
-attention calls over that layout, 4 KiB vs huge pages alternating, 2-core Zen 4, 9/3/64;
-reports/e2e-speed/zen4-avx512/huge-pages-session41.txt): our kernels 1.02-1.13x faster
+project's test machines'), that buffer stays on 4 KiB pages. `advise_huge_pages` marks it
+MADV_HUGEPAGE and drops its (all-zero, not yet used) pages with MADV_DONTNEED, so each
+2 MiB is faulted back as one huge page on first write. Measured
+(benchmarks/bench_huge_pages.py: a decode step's 30 attention calls over that layout, 4 KiB
+vs huge pages alternating, 2-core Zen 4, 9/3/64; reports/e2e-speed/zen4-avx512/huge-pages-session41.txt): our kernels 1.02-1.13x faster
 (16 x 1024 tokens: int8_token 12.5 -> 11.3 ms, int4_group32 12.2 -> 11.4; 4 x 8192: bf16
 33.4 -> 30.5), vLLM's own op 1.02-1.08x on the same buffers (its engines keep 4 KiB pages:
 the plugin leaves vLLM's backend as it is unless KVQ_HUGE_PAGES=all; THP `always` gives
@@ -37,7 +37,6 @@ MODE = os.environ.get("KVQ_HUGE_PAGES", "1")
 if MODE not in MODES:
     raise ValueError(f"KVQ_HUGE_PAGES={MODE!r}; allowed: {', '.join(MODES)} (0: off, 1: the "
                      f"KV cache of engines served by vllm-kvq, all: every engine's)")
-ENABLED = MODE != "0"
 THP_MODE_FILE = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
@@ -88,7 +87,7 @@ def advise_huge_pages(buffers: list[torch.Tensor]) -> int:
     """Back the whole 2 MiB pages inside each (zero-filled, unused) CPU buffer with huge
     pages on first touch; returns the bytes advised (0 where nothing applies: off, no THP
     madvise mode, not Linux, not private anonymous memory)."""
-    if not ENABLED or not sys.platform.startswith("linux") or thp_mode() != "madvise":
+    if MODE == "0" or not sys.platform.startswith("linux") or thp_mode() != "madvise":
         return 0
     libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
