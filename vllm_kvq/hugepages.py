@@ -7,11 +7,13 @@ kernels take TLB misses at block switches (perf: the next tile's prefetch instru
 stall). Where transparent huge pages are in `madvise` mode (Ubuntu's default, and this
 project's test machines'), that buffer stays on 4 KiB pages. `advise_huge_pages` marks it
 MADV_HUGEPAGE and drops its (all-zero, not yet used) pages with MADV_DONTNEED, so each
-2 MiB is faulted back as one huge page on first write. Measured
-(benchmarks/bench_huge_pages.py: a decode step's 30 attention calls over that layout, 4 KiB
-vs huge pages alternating, 2-core Zen 4, 9/3/64; reports/e2e-speed/zen4-avx512/huge-pages-session41.txt): our kernels 1.02-1.13x faster
-(16 x 1024 tokens: int8_token 12.5 -> 11.3 ms, int4_group32 12.2 -> 11.4; 4 x 8192: bf16
-33.4 -> 30.5), vLLM's own op 1.02-1.08x on the same buffers (its engines keep 4 KiB pages:
+2 MiB is faulted back as one huge page on first write.
+
+Measured (benchmarks/bench_huge_pages.py: a decode step's 30 attention calls over that
+layout, 4 KiB vs huge pages alternating, 2-core Zen 4, 9/3/64;
+reports/e2e-speed/zen4-avx512/huge-pages-session41.txt): our kernels 1.02-1.13x faster (16 x
+1024 tokens: int8_token 12.5 -> 11.3 ms, int4_group32 12.2 -> 11.4; 4 x 8192: bf16 33.4 ->
+30.5), vLLM's own op 1.02-1.08x on the same buffers (its engines keep 4 KiB pages:
 the plugin leaves vLLM's backend as it is unless KVQ_HUGE_PAGES=all; THP `always` gives
 both huge pages).
 
