@@ -27,16 +27,9 @@ import torch  # noqa: E402
 
 from vllm_kvq import hugepages, ops  # noqa: E402
 from vllm_kvq.formats import parse_format  # noqa: E402
-from vllm_kvq.tools.kernel_timing import (BLOCK, uniform_levels, vllm_available,  # noqa: E402
-                                          vllm_isa)
-
-
-def _buffer(nbytes: int, huge: bool) -> torch.Tensor:
-    buf = torch.zeros(nbytes, dtype=torch.uint8)
-    if huge and not hugepages.advise_huge_pages([buf]):
-        raise SystemExit(f"huge pages not available here (transparent huge pages mode: "
-                         f"{hugepages.thp_mode() or 'none'}; the plugin needs 'madvise')")
-    return buf
+from vllm_kvq.reference import uniform_codebooks  # noqa: E402
+from vllm_kvq.tools.kernel_timing import (BLOCK, cache_tensor, staging_inputs,  # noqa: E402
+                                          vllm_available, vllm_isa)
 
 
 class Case:
@@ -59,7 +52,7 @@ class Case:
         if method == "vllm":
             isa = vllm_isa()
             page = H * BLOCK * 2 * D  # bf16 K then V rows of one block and layer
-            self.buf = _buffer(total * L * page * 2, huge)
+            self.buf = cache_tensor(total * L * page * 2, dtype=torch.uint8, huge=huge)
             view = self.buf.view(torch.bfloat16).view(total, L, H, BLOCK, 2 * D)
             self.layers = [self._vllm_views(view[:, l], total, H, D) for l in range(L)]
             for kc, vc in self.layers:
@@ -77,22 +70,10 @@ class Case:
         else:
             fmt = parse_format(method)
             lay = fmt.layout(D, BLOCK)
-            lv = {side: uniform_levels(c.bits) if c.encoding == "nuq" else None
-                  for side, c in (("k_levels", fmt.key), ("v_levels", fmt.value))}
-            lops = ops.LayerOps(fmt, H, D, self.q.device, **lv)
-            extra = {}
-            R = fmt.residual_chunk
-            if R > 1:  # positions >= floor(ctx/R)*R come from staging rows (as decode_case)
-                p0 = ctx // R * R
-                n_st = ctx - p0
-                extra = dict(
-                    staging_k=torch.randn(batch * max(n_st, 1), H, D, generator=gen).to(
-                        torch.bfloat16),
-                    staging_v=torch.randn(batch * max(n_st, 1), H, D, generator=gen).to(
-                        torch.bfloat16),
-                    staging_start_loc=torch.arange(batch + 1, dtype=torch.int32) * n_st,
-                    staging_pos0=torch.full((batch,), p0, dtype=torch.int32))
-            self.buf = _buffer(total * L * H * BLOCK * lay.token_bytes, huge)
+            lops = ops.LayerOps(fmt, H, D, self.q.device, **uniform_codebooks(fmt))
+            extra = staging_inputs(fmt, batch, ctx, H, D, gen)
+            self.buf = cache_tensor(total * L * H * BLOCK * lay.token_bytes, dtype=torch.uint8,
+                                    huge=huge)
             view = self.buf.view(total, L, H, BLOCK, lay.token_bytes)
             self.layers = [view[:, l] for l in range(L)]
             for cache in self.layers:

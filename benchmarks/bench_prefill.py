@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 from vllm_kvq import ops, prefill  # noqa: E402
 from vllm_kvq.formats import parse_format  # noqa: E402
-from vllm_kvq.reference import uniform_levels  # noqa: E402
+from vllm_kvq.reference import uniform_codebooks  # noqa: E402
 from vllm_kvq.tools.kernel_timing import timeit, vllm_available, vllm_isa  # noqa: E402
 
 BLOCK = 128
@@ -40,8 +40,7 @@ def setup(name, Hq, H, D, batch, ctx, n, dtype, gen):
     lay = fmt.layout(D, BLOCK)
     cache = torch.zeros(batch * nblk, H, BLOCK, lay.token_bytes, dtype=torch.uint8)
     bt = torch.randperm(batch * nblk, generator=gen).to(torch.int32).reshape(batch, nblk)
-    lv = {f"{s}_levels": uniform_levels(c.bits) if c.encoding == "nuq" else None
-          for s, c in (("k", fmt.key), ("v", fmt.value))}
+    lv = uniform_codebooks(fmt)
     static = {f"{s}_scale": 0.05 for s, c in (("k", fmt.key), ("v", fmt.value))
               if c.static_scale and c.encoding == "int"}
     lops = ops.LayerOps(fmt, H, D, torch.device("cpu"), **static, **lv)

@@ -5,16 +5,11 @@ import torch
 
 from vllm_kvq import ops
 from vllm_kvq.formats import parse_format
-from vllm_kvq.reference import uniform_levels
+from vllm_kvq.reference import uniform_codebooks
 from vllm_kvq.tools.paged_attention_case import attention_case
 
 FORMATS = ["bf16", "fp8_e4m3_token", "int8_token", "int4_group32", "int8_head_sym",
            "kivi2", "int4_token_o1"]
-
-
-def levels(fmt):
-    return {f"{s}_levels": uniform_levels(c.bits) if c.encoding == "nuq" else None
-            for s, c in (("k", fmt.key), ("v", fmt.value))}
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -23,7 +18,7 @@ def test_bound_ops_equal_checked_ops(name):
     D, Hq, H, B = 64, 6, 2, 128
     case = attention_case(fmt, D, Hq, H, B, qlens=[1, 40, 1], ctx=[300, 0, 150],
                           dtype=torch.float32, seed=3)
-    kw = dict(k_scale=case["ks"], v_scale=case["vs"], **levels(fmt))
+    kw = dict(k_scale=case["ks"], v_scale=case["vs"], **uniform_codebooks(fmt))
     bound = ops.LayerOps(fmt, H, D, torch.device("cpu"), **kw)
     staging = {} if case["R"] == 1 else dict(
         staging_k=case["sk"], staging_v=case["sv"], staging_start_loc=case["ssl"],
@@ -49,7 +44,7 @@ def test_bound_ops_with_codebooks():
     """nuq: the bound codebooks are the ones the checked ops take per call."""
     fmt = parse_format("nuq3")
     H, D, B, n = 2, 64, 128, 256
-    kw = levels(fmt)
+    kw = uniform_codebooks(fmt)
     bound = ops.LayerOps(fmt, H, D, torch.device("cpu"), **kw)
     g = torch.Generator().manual_seed(7)
     k, v = torch.randn(n, H, D, generator=g), torch.randn(n, H, D, generator=g)

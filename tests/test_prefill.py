@@ -14,7 +14,7 @@ from test_kernels import PATHS, simd
 from vllm_kvq import ops, prefill
 from vllm_kvq import reference as ref
 from vllm_kvq.formats import parse_format
-from vllm_kvq.reference import uniform_levels
+from vllm_kvq.reference import uniform_codebooks
 from vllm_kvq.tools.paged_attention_case import attention_case
 
 CODECS = ["bf16", "fp8_e4m3", "fp8_e4m3_token", "int8_token", "int4_group32", "int2_group32",
@@ -25,20 +25,15 @@ CODECS = ["bf16", "fp8_e4m3", "fp8_e4m3_token", "int8_token", "int4_group32", "i
 TOL = {torch.float32: 2e-5, torch.bfloat16: 3e-2}
 
 
-def levels(fmt):
-    return {f"{s}_levels": uniform_levels(c.bits) if c.encoding == "nuq" else None
-            for s, c in (("k", fmt.key), ("v", fmt.value))}
-
-
 def case_for(fmt, D, Hq, H, B, **kw):
-    lv = levels(fmt)
+    lv = uniform_codebooks(fmt)
     return attention_case(fmt, D, Hq, H, B, levels=(lv["k_levels"], lv["v_levels"]), **kw)
 
 
 def run(fmt, D, Hq, H, qlens, ctx, dtype, seed=0, B=128, min_query=prefill.PREFILL_MIN_QUERY):
     case = case_for(fmt, D, Hq, H, B, qlens=qlens, ctx=ctx, dtype=dtype, seed=seed)
     lops = ops.LayerOps(fmt, H, D, torch.device("cpu"), k_scale=case["ks"], v_scale=case["vs"],
-                        **levels(fmt))
+                        **uniform_codebooks(fmt))
     R = case["R"]
     split = prefill.plan(case["qsl"].tolist(), case["sl"].tolist(),
                          case["ssl"].tolist() if R > 1 else None,
@@ -142,12 +137,13 @@ def test_dequantize_pages_equals_reference_decode(name):
     D, H, B = 64, 2, 128
     case = case_for(fmt, D, 4, H, B, qlens=[1], ctx=[299], dtype=torch.float32, seed=4)
     lops = ops.LayerOps(fmt, H, D, torch.device("cpu"), k_scale=case["ks"], v_scale=case["vs"],
-                        **levels(fmt))
+                        **uniform_codebooks(fmt))
     L = 300 // case["R"] * case["R"]
     lay, row = case["lay"], case["bt"][0]
     kr = case["ks"] if fmt.key.static_scale else None
     vr = case["vs"] if fmt.value.static_scale else None
-    blocks = [[ref.read_block(case["cache"], int(row[j]), h, fmt, lay, kr, vr, **levels(fmt))
+    lv = uniform_codebooks(fmt)
+    blocks = [[ref.read_block(case["cache"], int(row[j]), h, fmt, lay, kr, vr, **lv)
                for h in range(H)] for j in range((L + B - 1) // B)]
     want = [torch.cat([torch.stack([blk[h][i] for h in range(H)]) for blk in blocks], 1)[:, :L]
             for i in (0, 1)]

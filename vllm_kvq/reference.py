@@ -80,6 +80,14 @@ def uniform_levels(bits: int) -> torch.Tensor:
     return (torch.arange(n, dtype=torch.float64) * 2 / (n - 1) - 1).to(torch.float32)
 
 
+def uniform_codebooks(fmt) -> dict:
+    """k_levels / v_levels for a format's nuq sides (the uniform codebook), None for its other
+    sides: the keyword arguments of ops / LayerOps / read_block in tests and benchmarks,
+    where a codebook's levels do not matter (speed, kernel-vs-reference agreement)."""
+    return {f"{s}_levels": uniform_levels(c.bits) if c.encoding == "nuq" else None
+            for s, c in (("k", fmt.key), ("v", fmt.value))}
+
+
 def nuq_midpoints(levels: torch.Tensor) -> torch.Tensor:
     """fp32 (level[k] + level[k+1]) * 0.5: a value above mid[k] takes a code > k."""
     return (levels[:-1] + levels[1:]) * 0.5

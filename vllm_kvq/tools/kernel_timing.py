@@ -14,7 +14,7 @@ import torch
 
 from vllm_kvq import hugepages, ops
 from vllm_kvq.formats import parse_format
-from vllm_kvq.reference import uniform_levels
+from vllm_kvq.reference import uniform_codebooks
 
 BLOCK = 128
 BASE_TOKENS = 2048
@@ -23,10 +23,11 @@ BASE_TOKENS = 2048
 HUGE_PAGES = False
 
 
-def cache_tensor(*shape, dtype) -> torch.Tensor:
-    """A cache buffer for a case: zeroed, on huge pages where HUGE_PAGES asks for them."""
+def cache_tensor(*shape, dtype, huge: bool | None = None) -> torch.Tensor:
+    """A cache buffer for a case: zeroed, on huge pages where `huge` (default HUGE_PAGES)
+    asks for them."""
     t = torch.zeros(*shape, dtype=dtype)
-    if HUGE_PAGES and not hugepages.advise_huge_pages([t]):
+    if (HUGE_PAGES if huge is None else huge) and not hugepages.advise_huge_pages([t]):
         raise RuntimeError(f"huge pages asked for but not available (transparent huge pages "
                            f"mode: {hugepages.thp_mode() or 'none'}; needs madvise)")
     return t
@@ -62,6 +63,22 @@ def repeat_pages(cache, nbase: int) -> None:
         cache[i:i + m].copy_(cache[:m])
 
 
+def staging_inputs(fmt, batch, ctx, H, D, gen=None) -> dict:
+    """The attend() staging arguments of `batch` sequences decoding at position ctx-1: with
+    a residual window (R > 1) positions >= floor(ctx/R)*R come from random staging rows;
+    none without one."""
+    R = fmt.residual_chunk
+    if R == 1:
+        return {}
+    p0 = ctx // R * R
+    n_st = ctx - p0
+    rows = batch * max(n_st, 1)
+    return dict(staging_k=torch.randn(rows, H, D, generator=gen).to(torch.bfloat16),
+                staging_v=torch.randn(rows, H, D, generator=gen).to(torch.bfloat16),
+                staging_start_loc=torch.arange(batch + 1, dtype=torch.int32) * n_st,
+                staging_pos0=torch.full((batch,), p0, dtype=torch.int32))
+
+
 def decode_case(name: str, H, D, batch, ctx, gen, q, k, v):
     """(fmt, layout, run, out): format `name`'s paged cache filled from k/v, and `run()`
     decoding q at position ctx-1 into `out` (nuq: the uniform codebook; the speed of a
@@ -71,22 +88,13 @@ def decode_case(name: str, H, D, batch, ctx, gen, q, k, v):
     bt, total = block_tables(batch, ctx, gen)
     cache = cache_tensor(total, H, BLOCK, lay.token_bytes, dtype=torch.uint8)
     nbase = min(total, BASE_TOKENS // BLOCK)
-    lv = {side: uniform_levels(c.bits) if c.encoding == "nuq" else None
-          for side, c in (("k_levels", fmt.key), ("v_levels", fmt.value))}
+    lv = uniform_codebooks(fmt)
     ops.write_cache(k[:nbase * BLOCK], v[:nbase * BLOCK], cache, torch.arange(nbase * BLOCK),
                     fmt, **lv)
     repeat_pages(cache, nbase)
     seq_lens = torch.full((batch,), ctx, dtype=torch.int32)
     qsl = torch.arange(batch + 1, dtype=torch.int32)
-    R = fmt.residual_chunk
-    extra = {}
-    if R > 1:  # decode at position ctx-1: positions >= floor(ctx/R)*R come from staging
-        p0 = ctx // R * R
-        n_st = ctx - p0
-        extra = dict(staging_k=torch.randn(batch * max(n_st, 1), H, D).to(torch.bfloat16),
-                     staging_v=torch.randn(batch * max(n_st, 1), H, D).to(torch.bfloat16),
-                     staging_start_loc=torch.arange(batch + 1, dtype=torch.int32) * n_st,
-                     staging_pos0=torch.full((batch,), p0, dtype=torch.int32))
+    extra = staging_inputs(fmt, batch, ctx, H, D)
     out = torch.empty_like(q)
     # The serving path's call (the backend's LayerOps: the extension op, arguments resolved
     # once), as vLLM's op is called directly below; ops.paged_attention's Python checks
