@@ -27,9 +27,12 @@ def cache_tensor(*shape, dtype, huge: bool | None = None) -> torch.Tensor:
     """A cache buffer for a case: zeroed, on huge pages where `huge` (default HUGE_PAGES)
     asks for them."""
     t = torch.zeros(*shape, dtype=dtype)
-    if (HUGE_PAGES if huge is None else huge) and not hugepages.advise_huge_pages([t]):
-        raise RuntimeError(f"huge pages asked for but not available (transparent huge pages "
-                           f"mode: {hugepages.thp_mode() or 'none'}; needs madvise)")
+    if HUGE_PAGES if huge is None else huge:
+        if hugepages.thp_mode() != "madvise" or hugepages.MODE == "0":
+            raise RuntimeError(f"huge pages asked for but not available (transparent huge "
+                               f"pages mode: {hugepages.thp_mode() or 'none'}, needs madvise; "
+                               f"KVQ_HUGE_PAGES={hugepages.MODE}, needs 1 or all)")
+        hugepages.advise_huge_pages([t])  # 0 bytes for a buffer without a whole 2 MiB page
     return t
 
 
