@@ -772,14 +772,22 @@ static void for_slots(const kvq::Codec& c, const TileSrc& ts, int a, int b, int 
   }
 }
 
-// K: S[m][t] += Q[m][ch] * delta for every slot of tokens [0, nt).
-static void outlier_fix_k(const kvq::Codec& c, const TileSrc& ts, int nt, int M, int D,
-                          const float* Q, float* S) {
+// K: S[m][t] += Q[m][ch] * delta for every slot of tokens [0, nt). DN: the head size as a
+// constant (64 / 128 / 256: vtab's lookups unrolled, no branch on D per row), 0: D at run
+// time. The lambda works on locals: every vector store may alias (the intrinsics' types
+// are may_alias), and through the closure M, D, Q and S were reloaded after each row.
+template <int DN>
+static void outlier_fix_k_d(const kvq::Codec& c, const TileSrc& ts, int nt, int M, int Drt,
+                            const float* Q, float* S) {
+  const int D = DN ? DN : Drt;
   for_slots(c, ts, 0, nt, D,
             [&](int t0, VI ch, VM ok, VF delta) {
-              for (int m = 0; m < M; ++m) {
-                float* s = S + m * SL + t0;
-                vstore(s, vfma(vtab(Q + (int64_t)m * D, D, ch, ok), delta, vload(s)));
+              const int Ml = M, Dl = DN ? DN : D;
+              const float* const Ql = Q;
+              float* const sl = S + t0;
+              for (int m = 0; m < Ml; ++m) {
+                float* s = sl + m * SL;
+                vstore(s, vfma(vtab(Ql + (int64_t)m * Dl, Dl, ch, ok), delta, vload(s)));
               }
             },
             [&](const OutlierBatch& ob, int n) {
@@ -790,39 +798,92 @@ static void outlier_fix_k(const kvq::Codec& c, const TileSrc& ts, int nt, int M,
               }
             });
 }
-// V: acc[m][ch] += P[m][t] * delta for every slot of tokens [a, b). The W products of a
+static void outlier_fix_k(const kvq::Codec& c, const TileSrc& ts, int nt, int M, int D,
+                          const float* Q, float* S) {
+  switch (D) {
+    case 64: outlier_fix_k_d<64>(c, ts, nt, M, D, Q, S); return;
+    case 128: outlier_fix_k_d<128>(c, ts, nt, M, D, Q, S); return;
+    case 256: outlier_fix_k_d<256>(c, ts, nt, M, D, Q, S); return;
+    default: outlier_fix_k_d<0>(c, ts, nt, M, D, Q, S); return;
+  }
+}
+// V: acc[m][ch] += P[m][t] * delta for every slot of a task's tokens. The W products of a
 // run are added as quads of rows (4 rows of one token, vtr4_store) into per-channel quads
 // work[g][k][ch][4] (row group g = m / 4, k = token parity: two tokens hitting one channel
-// chain only every other token), merged into acc at the end: one 4-float add per token
-// and row group instead of one scalar read-modify-write per token and row.
-// work: (8 * ceil(M / 4) + 4) * D floats (M <= 16: at most TT * D, the tile's decode
-// scratch). kind: acc's order when the fused path decodes V permuted (K_U4 / K_U2), -1:
-// channel order. work stays in channel order and each row's sums are permuted once at the
-// merge (permute_row): a lookup per token and lane was ~6% of a nuq2 decode at 512 tokens.
+// chain only every other token): one 4-float add per token and row group instead of one
+// scalar read-modify-write per token and row. The work lives through the whole task
+// (outlier_v_begin zeroes it, outlier_fix_v adds each tile's slots, outlier_v_rescale
+// follows the online softmax's rescaling of acc, outlier_v_merge adds it to acc once):
+// zeroed and merged per tile, the merge's transposes and permutation were ~40% of the
+// slots' cost at 32k tokens (nuq4, 9/3/64).
+// work: outlier_v_floats(M, D) floats (M <= 16: at most TT * D, the tile's decode scratch,
+// which a fused decode task does not otherwise use). kind: acc's order when the fused path
+// decodes V permuted (K_U4 / K_U2), -1: channel order. work stays in channel order and
+// each row's sums are permuted once at the merge (permute_row): a lookup per token and lane
+// was ~6% of a nuq2 decode at 512 tokens.
 constexpr int kVFixParity = 2;
+static inline int64_t outlier_v_group_floats(int D) { return (int64_t)kVFixParity * 4 * D; }
+static inline int64_t outlier_v_floats(int M, int D) {
+  return ((M + 3) / 4) * outlier_v_group_floats(D) + 4 * (int64_t)D;  // + the merge's rows
+}
 static_assert(((W + 3) / 4 * kVFixParity + 1) * 4 <= TT, "outlier_fix_v's work fits a tile's rows");
+static void outlier_v_begin(int M, int D, float* work) {
+  const int64_t n = ((M + 3) / 4) * outlier_v_group_floats(D);
+  for (int64_t x = 0; x < n; ++x) work[x] = 0.0f;
+}
+// Rows whose running max rose in softmax_tile (mold: the maxima before it) had acc scaled
+// by exp2f(mold - mnew); their sums in work get the same factor.
+static void outlier_v_rescale(int M, int D, const float* mold, const float* mnew, float* work) {
+  const int64_t gs = outlier_v_group_floats(D);
+  for (int g = 0; g < (M + 3) / 4; ++g) {
+    float f[4] = {1.0f, 1.0f, 1.0f, 1.0f};
+    bool any = false;
+    for (int r = 0; r < 4 && 4 * g + r < M; ++r) {
+      const int m = 4 * g + r;
+      if (mnew[m] > mold[m] && mold[m] != -INFINITY) {
+        f[r] = exp2f(mold[m] - mnew[m]);
+        any = true;
+      }
+    }
+    if (!any) continue;
+    float pat[W];
+    for (int i = 0; i < W; ++i) pat[i] = f[i % 4];
+    const VF vf = vload(pat);
+    float* wg = work + g * gs;
+    for (int64_t x = 0; x < gs; x += W) vstore(wg + x, vmul(vload(wg + x), vf));
+  }
+}
 static void outlier_fix_v(const kvq::Codec& c, const TileSrc& ts, int a, int b, int M, int D,
                           const float* P, float* acc, float* work, int kind) {
   const int G = (M + 3) / 4;
-  const int64_t gs = (int64_t)kVFixParity * 4 * D;  // floats per row group
-  for (int64_t x = 0; x < G * gs; ++x) work[x] = 0.0f;
+  const int64_t gs = outlier_v_group_floats(D);  // floats per row group
   const int32_t* pos = kind >= 0 ? perm_inv_table(kind) : nullptr;  // (the batch path's)
+  // lane i's parity block: token parity i % kVFixParity (t0 is a multiple of W, even)
+  static_assert(kVFixParity == 2 && W % 2 == 0, "par_off: lane parity is token parity");
+  const VI par_off = ci_mullo(ci_and(ci_iota(), ci_set1(1)), ci_set1(4 * D));
   for_slots(c, ts, a, b, D,
             [&](int t0, VI ch, VM ok, VF delta) {
-              // masked-off lanes add 0 to channel 0 (P there may be anything)
-              int32_t chs[W];
-              ci_store(chs, ch);
-              for (int g = 0; g < G; ++g) {
+              // masked-off lanes add 0 to channel 0 (P there may be anything). Locals, and
+              // each lane's quad offset computed as a vector: through the closure (every
+              // vector store may alias it) the per-token address arithmetic was reloaded
+              // and redone in scalar code, ~40% of this function.
+              const int Ml = M, Gl = G;
+              const int64_t gsl = gs;
+              float* const wk = work;
+              const float* const pl = P + t0;
+              int32_t off[W];  // parity block + 4 * channel
+              const VI c2 = ci_add(ch, ch);
+              ci_store(off, ci_add(ci_add(c2, c2), par_off));
+              for (int g = 0; g < Gl; ++g) {
                 VF pd[4];
                 for (int r = 0; r < 4; ++r) {
                   const int m = 4 * g + r;
-                  pd[r] = m < M ? vsel0(ok, vmul(vload(P + m * SL + t0), delta)) : vzero();
+                  pd[r] = m < Ml ? vsel0(ok, vmul(vload(pl + m * SL), delta)) : vzero();
                 }
                 float q[4 * W];
                 vtr4_store(pd, q);
-                float* wg = work + g * gs;
-                for (int i = 0; i < W; ++i)
-                  vadd4(wg + (i % kVFixParity) * 4 * D + 4 * chs[i], q + 4 * i);
+                float* const wg = wk + g * gsl;
+                for (int i = 0; i < W; ++i) vadd4(wg + off[i], q + 4 * i);
               }
             },
             [&](const OutlierBatch& ob, int n) {
@@ -833,6 +894,10 @@ static void outlier_fix_v(const kvq::Codec& c, const TileSrc& ts, int a, int b, 
                   ac[pos ? pos[ob.ch[i]] : ob.ch[i]] += p[ob.t[i]] * ob.delta[i];
               }
             });
+}
+static void outlier_v_merge(int M, int D, float* acc, float* work, int kind) {
+  const int G = (M + 3) / 4;
+  const int64_t gs = outlier_v_group_floats(D);
   float* rows = work + G * gs;  // a row group's sums, in channel order
   for (int g = 0; g < G; ++g) {
     const int nr = imin(4, M - 4 * g);
@@ -1938,6 +2003,10 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
     mrow[m] = -INFINITY;
     lrow[m] = 0.0f;
   }
+  // The fused path's value outlier slots: their sums live in KV (the scratch path's tile
+  // rows, unused by a fused task) through the paged loop (outlier_fix_v).
+  const bool vfix = fused && P.vc.outliers > 0;
+  if (vfix) outlier_v_begin(M, D, KV);
   // fp8 scales in the fused path: static ones fold into Q (K) and into acc after the paged
   // loop (V); per-token ones into the logits (K) and into P (V).
   const bool kfp8 = fused && (P.kc.encoding == kvq::ENC_FP8_E4M3 ||
@@ -2191,7 +2260,10 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
     // query (Q holds it), per-channel keys with the exact one (like their zero-points).
     if (iqk && P.kc.outliers) outlier_fix_k(P.kc, ks, nt, M, D, Q, S);
     kstream.flush();
+    float mold[W];  // (vfix: M <= W)
+    if (vfix) for (int m = 0; m < M; ++m) mold[m] = mrow[m];
     softmax_tile(S, M, nt, lo, hi, mrow, lrow, acc, D, P.softcap_log2, sink0 && jt0 == 0);
+    if (vfix) outlier_v_rescale(M, D, mold, mrow, KV);
     int nvc = 0;
     for (int k = 0; k < ns; ++k)
       prep_segment(P.vc, P.lay.v, segs[k].plane, segs[k].off, segs[k].cnt, segs[k].at, D, vst,
@@ -2269,7 +2341,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
         with_kind(P.vc, vperm,
                   [&](auto k) { pv_fused_kind(k, MBp, S, vs, a, b, D, acc); }, true, vbyte);
       }
-      if (P.vc.outliers && lo[0] < hi[0])  // KV: the scratch path's rows, free here
+      if (vfix && lo[0] < hi[0])
         outlier_fix_v(P.vc, vs, lo[0], hi[0], M, D, S, acc, KV, vperm ? vpk : -1);
     } else {
       with_kind(P.vc, false, [&](auto k) { decode_tile_kind(k, vs, nt, D, KV); });
@@ -2278,6 +2350,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
     vstream.flush();
   }
 
+  if (vfix) outlier_v_merge(M, D, acc, KV, vperm ? vpk : -1);
   if (vfp8 && !vtok) {
     const float f = P.v_scale[T.h] * (P.vc.encoding == kvq::ENC_FP8_E4M3 ? 256.0f : 1.0f);
     for (int64_t x = 0; x < (int64_t)M * D; ++x) acc[x] *= f;
