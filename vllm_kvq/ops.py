@@ -383,6 +383,8 @@ class LayerOps:
         self._no_rows = torch.empty(0, dtype=torch.int32, device=device)
         self._no_staging: dict = {}
         self._ops = _ops()
+        # the op's one overload, bound once (the packet's __call__ is a Python frame per call)
+        self._paged_attention = self._ops.paged_attention.default
         # rotated formats: K/V rotated before quantizing, the query and staging rows rotated
         # and the output rotated back around the kernels (vllm_kvq.rotation)
         self.rotated = fmt.rotation != "none"
@@ -422,6 +424,10 @@ class LayerOps:
         None: the paged kernel for the whole batch. A rotated format writes every row of
         out (the caller passes the step's rows, as the backend does)."""
         if not self.rotated:
+            if split is None:  # a step of decodes / short chunks: one frame less per layer
+                return self._kernel(query, cache, block_table, seq_lens, query_start_loc,
+                                    softmax_scale, out, staging_k, staging_v,
+                                    staging_start_loc, staging_pos0)
             return self._attend(query, cache, block_table, seq_lens, query_start_loc,
                                 softmax_scale, out, staging_k, staging_v, staging_start_loc,
                                 staging_pos0, split)
@@ -464,7 +470,7 @@ class LayerOps:
                 staging_k = self._no_staging.setdefault(query.dtype, torch.empty(
                     0, cache.shape[1], query.shape[2], dtype=query.dtype, device=query.device))
             staging_v, staging_start_loc, staging_pos0 = staging_k, self._no_rows, self._no_rows
-        self._ops.paged_attention(out, query, cache, block_table, seq_lens, query_start_loc,
+        self._paged_attention(out, query, cache, block_table, seq_lens, query_start_loc,
                                   staging_k, staging_v, staging_start_loc, staging_pos0,
                                   self.residual_chunk, self.sliding_window, softmax_scale,
                                   self.logits_soft_cap, self.k_codec,
