@@ -1925,7 +1925,7 @@ static inline void fold_rows(const float* q, int D, const float* sc, const float
   const float nan_or_0 = vhsum(nf);
   VF inv[MR];
   for (int r = 0; r < MR; ++r) {
-    const float amax = std::max(vhmax(mx[r]), vhmax(vsub(vzero(), mn[r])));
+    const float amax = vhmax(vmax(mx[r], vsub(vzero(), mn[r])));  // one reduction, same max
     inv[r] = vset(q8_inv(amax));
     qs[r] = amax / 127.0f;  // quantize_q8_amax's
     zsum[r] = vhsum(zs[r]) + nan_or_0;
