@@ -471,9 +471,8 @@ class LayerOps:
                     0, cache.shape[1], query.shape[2], dtype=query.dtype, device=query.device))
             staging_v, staging_start_loc, staging_pos0 = staging_k, self._no_rows, self._no_rows
         self._paged_attention(out, query, cache, block_table, seq_lens, query_start_loc,
-                                  staging_k, staging_v, staging_start_loc, staging_pos0,
-                                  self.residual_chunk, self.sliding_window, softmax_scale,
-                                  self.logits_soft_cap, self.k_codec,
-                                  self.v_codec, self.k_scale, self.v_scale, self.k_levels,
-                                  self.v_levels)
+                              staging_k, staging_v, staging_start_loc, staging_pos0,
+                              self.residual_chunk, self.sliding_window, softmax_scale,
+                              self.logits_soft_cap, self.k_codec, self.v_codec, self.k_scale,
+                              self.v_scale, self.k_levels, self.v_levels)
         return out

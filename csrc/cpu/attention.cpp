@@ -108,8 +108,8 @@ std::vector<int32_t> to_i32(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kInt || t.scalar_type() == at::kLong, what,
               " must be int32 or int64");
   // The usual int32 contiguous tensor is read in place: at::Tensor::to() is a dispatcher
-  // call even when it returns its input (four of them were ~1 us of a decode call's
-  // serial part, before its threads start).
+  // call even when it returns its input (two to four per call, in the serial part before
+  // the threads start).
   if (t.scalar_type() == at::kInt && t.is_contiguous() && t.device().is_cpu()) {
     const int32_t* p = t.data_ptr<int32_t>();
     return std::vector<int32_t>(p, p + t.numel());

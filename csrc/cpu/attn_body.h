@@ -822,11 +822,11 @@ static void outlier_fix_k(const kvq::Codec& c, const TileSrc& ts, int nt, int M,
 // each row's sums are permuted once at the merge (permute_row): a lookup per token and lane
 // was ~6% of a nuq2 decode at 512 tokens.
 constexpr int kVFixParity = 2;
-static inline int64_t outlier_v_group_floats(int D) { return (int64_t)kVFixParity * 4 * D; }
-static inline int64_t outlier_v_floats(int M, int D) {
+constexpr int64_t outlier_v_group_floats(int D) { return (int64_t)kVFixParity * 4 * D; }
+constexpr int64_t outlier_v_floats(int M, int D) {
   return ((M + 3) / 4) * outlier_v_group_floats(D) + 4 * (int64_t)D;  // + the merge's rows
 }
-static_assert(((W + 3) / 4 * kVFixParity + 1) * 4 <= TT, "outlier_fix_v's work fits a tile's rows");
+static_assert(outlier_v_floats(W, 1) <= TT, "outlier_fix_v's work fits a tile's rows (KV)");
 static void outlier_v_begin(int M, int D, float* work) {
   const int64_t n = ((M + 3) / 4) * outlier_v_group_floats(D);
   for (int64_t x = 0; x < n; ++x) work[x] = 0.0f;
