@@ -831,19 +831,16 @@ static void outlier_v_begin(int M, int D, float* work) {
   const int64_t n = ((M + 3) / 4) * outlier_v_group_floats(D);
   for (int64_t x = 0; x < n; ++x) work[x] = 0.0f;
 }
-// Rows whose running max rose in softmax_tile (mold: the maxima before it) had acc scaled
-// by exp2f(mold - mnew); their sums in work get the same factor.
-static void outlier_v_rescale(int M, int D, const float* mold, const float* mnew, float* work) {
+// softmax_tile scaled row m's acc by corr[m] (its running max rose); its sums in work get
+// the same factor.
+static void outlier_v_rescale(int M, int D, const float* corr, float* work) {
   const int64_t gs = outlier_v_group_floats(D);
   for (int g = 0; g < (M + 3) / 4; ++g) {
     float f[4] = {1.0f, 1.0f, 1.0f, 1.0f};
     bool any = false;
     for (int r = 0; r < 4 && 4 * g + r < M; ++r) {
-      const int m = 4 * g + r;
-      if (mnew[m] > mold[m] && mold[m] != -INFINITY) {
-        f[r] = exp2f(mold[m] - mnew[m]);
-        any = true;
-      }
+      f[r] = corr[4 * g + r];
+      any |= f[r] != 1.0f;
     }
     if (!any) continue;
     float pat[W];
@@ -1740,12 +1737,16 @@ static inline void soft_cap_row(float* s, int nch, float c) {
 
 // skip0: the tile's token 0 is a sequence's position 0, read from its sink row instead
 // (run_task_impl): left out of every row whose range starts there (weight exactly 0).
+// corr (optional, M floats): the factor each row's acc was scaled by (1: none), for sums
+// kept beside acc (outlier_v_rescale).
 static void softmax_tile(float* S, int M, int nt, const int* lo, const int* hi, float* mrow,
-                         float* lrow, float* acc, int D, float cap, bool skip0 = false) {
+                         float* lrow, float* acc, int D, float cap, bool skip0 = false,
+                         float* corr = nullptr) {
   const int nch = (nt + W - 1) / W;
   for (int m = 0; m < M; ++m) {
     float* s = S + m * SL;
     const int a = lo[m], b = hi[m];
+    if (corr) corr[m] = 1.0f;
     if (a >= b) continue;
     if (cap > 0.0f) soft_cap_row(s, nch, cap);
     if (skip0 && a == 0) s[0] = -INFINITY;  // (run_task_impl keeps such rows' b > 1)
@@ -1762,9 +1763,10 @@ static void softmax_tile(float* S, int M, int nt, const int* lo, const int* hi, 
     float mold = mrow[m];
     if (mx > mold) {
       if (mold != -INFINITY) {
-        const float corr = exp2f(mold - mx);
-        lrow[m] *= corr;
-        const VF vc = vset(corr);
+        const float c = exp2f(mold - mx);
+        if (corr) corr[m] = c;
+        lrow[m] *= c;
+        const VF vc = vset(c);
         float* ar = acc + (int64_t)m * D;
         for (int d = 0; d < D; d += W) vstore(ar + d, vmul(vload(ar + d), vc));
       }
@@ -2260,10 +2262,10 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
     // query (Q holds it), per-channel keys with the exact one (like their zero-points).
     if (iqk && P.kc.outliers) outlier_fix_k(P.kc, ks, nt, M, D, Q, S);
     kstream.flush();
-    float mold[W];  // (vfix: M <= W)
-    if (vfix) for (int m = 0; m < M; ++m) mold[m] = mrow[m];
-    softmax_tile(S, M, nt, lo, hi, mrow, lrow, acc, D, P.softcap_log2, sink0 && jt0 == 0);
-    if (vfix) outlier_v_rescale(M, D, mold, mrow, KV);
+    float corr[W];  // (vfix: M <= W)
+    softmax_tile(S, M, nt, lo, hi, mrow, lrow, acc, D, P.softcap_log2, sink0 && jt0 == 0,
+                 vfix ? corr : nullptr);
+    if (vfix) outlier_v_rescale(M, D, corr, KV);
     int nvc = 0;
     for (int k = 0; k < ns; ++k)
       prep_segment(P.vc, P.lay.v, segs[k].plane, segs[k].off, segs[k].cnt, segs[k].at, D, vst,
