@@ -136,13 +136,13 @@ def test_dequantize_pages_equals_reference_decode(name):
     fmt = parse_format(name)
     D, H, B = 64, 2, 128
     case = case_for(fmt, D, 4, H, B, qlens=[1], ctx=[299], dtype=torch.float32, seed=4)
+    lv = uniform_codebooks(fmt)
     lops = ops.LayerOps(fmt, H, D, torch.device("cpu"), k_scale=case["ks"], v_scale=case["vs"],
-                        **uniform_codebooks(fmt))
+                        **lv)
     L = 300 // case["R"] * case["R"]
     lay, row = case["lay"], case["bt"][0]
     kr = case["ks"] if fmt.key.static_scale else None
     vr = case["vs"] if fmt.value.static_scale else None
-    lv = uniform_codebooks(fmt)
     blocks = [[ref.read_block(case["cache"], int(row[j]), h, fmt, lay, kr, vr, **lv)
                for h in range(H)] for j in range((L + B - 1) // B)]
     want = [torch.cat([torch.stack([blk[h][i] for h in range(H)]) for blk in blocks], 1)[:, :L]
