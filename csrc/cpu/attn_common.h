@@ -108,6 +108,9 @@ inline size_t scratch_floats(int max_rows, int D) {
 }
 
 using TaskFn = void (*)(const AttnParams&, const AttnTask&, float* scratch);
+// The calling thread's scratch of n floats, on a cache-line boundary, kept across calls
+// (attention.cpp): the decode tasks' and dequant.cpp's prefill pages'.
+float* thread_scratch(size_t n);
 
 // Rows [0, cnt) of one region of a (block, kv head) plane -> rows of `out` (DType, rows
 // row_stride elements apart), as the kernel decodes them, rounded once to nearest even

@@ -70,7 +70,7 @@ void run(DecodeRowsFn decode, const Side sides[2], const uint8_t* cache, int64_t
   const int64_t ntask = (int64_t)nblk * H * 2;
 #pragma omp parallel
   {
-    std::vector<float> scratch(decode_scratch_floats(D));
+    float* scratch = thread_scratch(decode_scratch_floats(D));
 #pragma omp for schedule(static)
     for (int64_t task = 0; task < ntask; ++task) {
       const int side = (int)(task % 2);
@@ -80,7 +80,7 @@ void run(DecodeRowsFn decode, const Side sides[2], const uint8_t* cache, int64_t
       const uint8_t* plane = cache + (int64_t)blocks[j] * c_sb + (int64_t)h * c_sh;
       const Side& sd = sides[side];
       uint8_t* dst = outs[side] + (h * o_sh[side] + (int64_t)j * B * o_sl[side]) * elem_bytes;
-      decode(sd.c, sd.r, plane, cnt, D, sd.st[h], sd.levels, scratch.data(), dst, dtype,
+      decode(sd.c, sd.r, plane, cnt, D, sd.st[h], sd.levels, scratch, dst, dtype,
              o_sl[side]);
       if (j == 0 && sd.c.sink) store_sink_row(plane + sd.r.sink_off, D, dst, dtype);
     }
