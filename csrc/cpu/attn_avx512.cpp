@@ -539,26 +539,26 @@ static inline KVQ_PV_TARGET void pv_pairs2(const PvPairs& c, const uint8_t* r0,
   a = _mm512_permutexvar_epi16(_mm512_srlv_epi16(z, c.i1), c.tw);
   b = _mm512_permutexvar_epi16(_mm512_srlv_epi16(z, c.i2), c.tw);
 }
-// 3-bit: 3W/4 bytes (8 codes per 3 bytes, code i at bits 3i..3i+2) of each token, read as
-// 8 + 4 bytes (nothing past them; plain loads, not a masked one: GCC treats the masked-load
-// builtin as reading any memory and then stored pv_bf16's accumulators to the stack on every
-// pair); a = channels [0, W), b = [W, 2W), natural order (the table repeats every 8 entries,
-// the 2 bits above a code pick a copy).
-static inline __m128i load12(const uint8_t* p) {
-  uint64_t lo;
-  uint32_t hi;
-  memcpy(&lo, p, 8);
-  memcpy(&hi, p + 8, 4);
-  return _mm_insert_epi32(_mm_cvtsi64_si128((long long)lo), (int)hi, 2);
-}
+// 3-bit: 3W/4 bytes (8 codes per 3 bytes, code i at bits 3i..3i+2) of each token at byte
+// off of its row (at least 24 bytes: pv_bf16_3bit); a = channels [0, W), b = [W, 2W),
+// natural order (the table repeats every 8 entries, the 2 bits above a code pick a copy, so
+// the byte after a step's 12 may be anything). The 12 bytes are read as 16 inside the row:
+// with the 4 after them (its first step) or the 4 before them (any other step; the indices
+// move up by 4). Read as 8 + 4 and put together, they were ~a third of the pair's
+// instructions, most of them on the shuffle port with the permutes.
 static inline KVQ_PV_TARGET void pv_pairs3(const PvPairs& c, const uint8_t* r0,
-                                           const uint8_t* r1, VI& a, VI& b) {
-  const VI src = pv_src(load12(r0), load12(r1));
+                                           const uint8_t* r1, int off, VI& a, VI& b) {
+  const int back = off > 0 ? 4 : 0;
+  const VI src = pv_src(_mm_loadu_si128((const __m128i*)(r0 + off - back)),
+                        _mm_loadu_si128((const __m128i*)(r1 + off - back)));
+  const VI up = _mm512_set1_epi8((char)back);
   const __mmask64 w0 = (__mmask64)0x5555555555555555ULL;  // each word's low byte
   a = _mm512_permutexvar_epi16(
-      _mm512_maskz_multishift_epi64_epi8(w0, c.i2, _mm512_permutexvar_epi8(c.i0, src)), c.tw);
+      _mm512_maskz_multishift_epi64_epi8(w0, c.i2, _mm512_permutexvar_epi8(
+                                                       _mm512_add_epi8(c.i0, up), src)), c.tw);
   b = _mm512_permutexvar_epi16(
-      _mm512_maskz_multishift_epi64_epi8(w0, c.i2, _mm512_permutexvar_epi8(c.i1, src)), c.tw);
+      _mm512_maskz_multishift_epi64_epi8(w0, c.i2, _mm512_permutexvar_epi8(
+                                                       _mm512_add_epi8(c.i1, up), src)), c.tw);
 }
 // bf16 values: 2W of each token; a = channels [0, W), b = [W, 2W), natural order.
 static inline KVQ_PV_TARGET void pv_pairs16(const PvPairs& c, const uint8_t* r0,

@@ -1456,10 +1456,12 @@ static void pv_fused_kind(KT<KIND, VEC, PERM>, int M, const float* P, const Tile
 }
 // Row counts pv_bf16 runs (MBp); 16 rows stay on pv_fused.
 static inline bool pv_bf16_rows(int MB) { return MB <= 4 || MB == 8; }
-// 3-bit values pv_bf16 reads (4/2-bit ones: can_perm's): 2W channels a step, one scale each.
+// 3-bit values pv_bf16 reads (4/2-bit ones: can_perm's): 2W channels a step, one scale each,
+// rows of at least 16 bytes (pv_pairs3 reads each step's 12 as 16 inside the row).
 static inline bool pv_bf16_3bit(const kvq::Codec& c, int D) {
   return c.bits == 3 && (c.encoding == kvq::ENC_INT || c.encoding == kvq::ENC_NUQ) &&
-         D % (2 * W) == 0 && (c.granularity != kvq::GRAN_GROUP || c.group % (2 * W) == 0);
+         D % (2 * W) == 0 && D >= 4 * W &&
+         (c.granularity != kvq::GRAN_GROUP || c.group % (2 * W) == 0);
 }
 #if KVQ_HAS_PV_BF16
 // pv_fused's FOLD for 4/3/2-bit values (int codes, nuq levels; 4/2 bits permuted) with bf16
@@ -1482,7 +1484,7 @@ static inline KVQ_PV_TARGET void pv_bf16_pair(const PvPairs& c, const TileSrc& t
     if (BITS == 16) pv_pairs16(c, r0 + off, r1 + off, v[2 * k], v[2 * k + 1]);
     else if (BITS == 8) pv_pairs8(r0 + off, r1 + off, v[2 * k], v[2 * k + 1]);
     else if (BITS == 4) pv_pairs4(c, r0 + off, r1 + off, v[2 * k], v[2 * k + 1]);
-    else if (BITS == 3) pv_pairs3(c, r0 + off, r1 + off, v[2 * k], v[2 * k + 1]);
+    else if (BITS == 3) pv_pairs3(c, r0, r1, off, v[2 * k], v[2 * k + 1]);
     else pv_pairs2(c, r0 + off, r1 + off, v[2 * k], v[2 * k + 1]);
   }
   for (int mi = 0; mi < MB; ++mi)
