@@ -486,6 +486,20 @@ static inline void nuq_int_scales(const IntKey& ik, float* s, float* z, int n) {
 
 // perm_kind: K_U4/K_U2 when the fused path decodes this side permuted, else -1.
 // ik: the key side of a task on the integer Q.K when its codec needs a form (else nullptr).
+// dst[i] = base + i * stride (elements), i in [0, n): 8 pointers a store. Written as a plain
+// loop the compiler built each vector of pointers from scalar adds and inserts; the tile's
+// pointer arrays were ~half of prep_segment's samples (nuq3, 512 tokens).
+template <class T>
+static inline void fill_strided(const T** dst, const T* base, int64_t stride, int n) {
+  typedef int64_t P8 __attribute__((vector_size(64)));
+  const int64_t sb = stride * (int64_t)sizeof(T);
+  P8 p = (P8){0, 1, 2, 3, 4, 5, 6, 7} * sb + (int64_t)(uintptr_t)base;
+  const P8 step = (P8){8, 8, 8, 8, 8, 8, 8, 8} * sb;
+  int i = 0;
+  for (; i + 8 <= n; i += 8, p += step) memcpy(dst + i, &p, sizeof p);
+  for (; i < n; ++i) dst[i] = base + i * stride;
+}
+
 static void prep_segment(const kvq::Codec& c, const kvq::Region& r, const uint8_t* plane,
                          int off, int cnt, int at, int D, float st, TileBufs& tb, int& nch_rows,
                          TileSrc& ts, int perm_kind, const float* levels, bool dense,
@@ -495,9 +509,8 @@ static void prep_segment(const kvq::Codec& c, const kvq::Region& r, const uint8_
     return;
   }
   if (c.outliers) {
-    const uint8_t* o = plane + r.outlier_off + (int64_t)off * c.outliers * 4;
-    const uint8_t** orows = ts.orow + at;
-    for (int i = 0; i < cnt; ++i, o += c.outliers * 4) orows[i] = o;
+    fill_strided(ts.orow + at, plane + r.outlier_off + (int64_t)off * c.outliers * 4,
+                 c.outliers * 4, cnt);
   }
   const uint8_t* data = plane + r.data_off;
   const bool e4 = c.encoding == kvq::ENC_FP8_E4M3;
@@ -518,8 +531,7 @@ static void prep_segment(const kvq::Codec& c, const kvq::Region& r, const uint8_
       rows[i] = u;
     }
   } else {
-    const uint8_t* row = data + (int64_t)off * rb;
-    for (int i = 0; i < cnt; ++i, row += rb) rows[i] = row;
+    fill_strided(rows, data + (int64_t)off * rb, rb, cnt);
   }
   if (c.encoding == kvq::ENC_FP16 || c.encoding == kvq::ENC_BF16) return;
   const float mul = e4 ? 256.0f : 1.0f;  // ld_e4m3 gives value * 2^-8
@@ -537,12 +549,8 @@ static void prep_segment(const kvq::Codec& c, const kvq::Region& r, const uint8_
         for (int i = 0; i < cnt * ng; ++i) z[i] = off_sym * s[i];
       }
       if (ik && ik->nuq) nuq_int_scales(*ik, s, z, cnt * ng);
-      const float** svp = ts.sv + at;
-      const float** zvp = ts.zv + at;
-      for (int i = 0; i < cnt; ++i, s += ng, z += ng) {
-        svp[i] = s;
-        zvp[i] = z;
-      }
+      fill_strided(ts.sv + at, (const float*)s, ng, cnt);
+      fill_strided(ts.zv + at, (const float*)z, ng, cnt);
       return;
     }
     case kvq::GRAN_CHANNEL: {
