@@ -108,7 +108,7 @@ def main():
                     vllm_ms = timeit(vllm_run)
                 ours_bf16 = None
                 for name in formats:
-                    fmt, lay, run, out = decode_case(name, H, D, batch, ctx,
+                    _, lay, run, out = decode_case(name, H, D, batch, ctx,
                                                      torch.Generator().manual_seed(7), q, k, v)
                     ms = None
                     for _ in range(max(1, args.rounds)):

@@ -484,8 +484,6 @@ static inline void nuq_int_scales(const IntKey& ik, float* s, float* z, int n) {
   }
 }
 
-// perm_kind: K_U4/K_U2 when the fused path decodes this side permuted, else -1.
-// ik: the key side of a task on the integer Q.K when its codec needs a form (else nullptr).
 // dst[i] = base + i * stride (elements), i in [0, n): 8 pointers a store. Written as a plain
 // loop the compiler built each vector of pointers from scalar adds and inserts; the tile's
 // pointer arrays were ~half of prep_segment's samples (nuq3, 512 tokens).
@@ -500,6 +498,8 @@ static inline void fill_strided(const T** dst, const T* base, int64_t stride, in
   for (; i < n; ++i) dst[i] = base + i * stride;
 }
 
+// perm_kind: K_U4/K_U2 when the fused path decodes this side permuted, else -1.
+// ik: the key side of a task on the integer Q.K when its codec needs a form (else nullptr).
 static void prep_segment(const kvq::Codec& c, const kvq::Region& r, const uint8_t* plane,
                          int off, int cnt, int at, int D, float st, TileBufs& tb, int& nch_rows,
                          TileSrc& ts, int perm_kind, const float* levels, bool dense,
