@@ -12,7 +12,9 @@ shape in the same run.
       [--rounds 2]
 
 nuq formats (e.g. --formats nuq3,int4_token_o1) run with the uniform codebook: the speed of
-a codebook does not depend on its levels.
+a codebook does not depend on its levels. vLLM's op is its build for our SIMD path: with
+KVQ_SIMD=avx2 its AVX2 build (what an AVX2-only machine runs), else the one vLLM picks for
+this CPU (--vllm-build).
 
 OpenMP's wait policy is the environment's. Unset, it is what a served engine runs with
 (vLLM's CPU worker sets none): GOMP's default, where a thread spins a while at the end of a
@@ -55,6 +57,10 @@ def main():
     ap.add_argument("--contexts", default=None,
                     help="e.g. 512,32768 (default 1024,4096,16384)")
     ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--vllm-build", choices=["auto", "avx2"], default=None,
+                    help="vLLM's CPU ops to compare with: auto (the build vLLM picks for this "
+                         "CPU) or avx2 (its AVX2 build, what an AVX2-only machine runs); "
+                         "default: avx2 when our SIMD path is avx2 (KVQ_SIMD=avx2), else auto")
     ap.add_argument("--huge-pages", action="store_true",
                     help="both sides' caches on transparent huge pages (what an engine served "
                          "by vllm-kvq gets; vllm_kvq.hugepages); default: as allocated")
@@ -78,12 +84,13 @@ def main():
     shapes = SHAPES
     if args.shapes:
         shapes = [tuple(int(y) for y in x.split("/")) for x in args.shapes.split(",")]
-    have_vllm = not args.no_vllm and vllm_available()
+    build = args.vllm_build or ("avx2" if ops.simd_path() == "avx2" else "auto")
+    have_vllm = not args.no_vllm and vllm_available(build)
     # spinning threads' time is not work (and the VM accounts it to the process late)
     cpu_cols = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, "
           f"vllm-kvq SIMD path {ops.simd_path()}, vLLM CPU attention: "
-          f"{'isa ' + vllm_isa() if have_vllm else 'not available'}, caches on "
+          f"{f'isa {vllm_isa()}, build {build}' if have_vllm else 'not available'}, caches on "
           f"{'huge pages' if args.huge_pages else 'pages as allocated'} (THP mode "
           f"{hugepages.thp_mode() or 'none'}), OpenMP wait policy "
           f"{os.environ.get('OMP_WAIT_POLICY') or 'unset (as served)'}")

@@ -115,10 +115,28 @@ def time_ours(name: str, Hq, H, D, batch, ctx, gen, q, k, v) -> float:
     return timeit(decode_case(name, H, D, batch, ctx, gen, q, k, v)[2])[0]
 
 
-def vllm_available() -> bool:
+VLLM_BUILD = "auto"  # the build of vLLM's CPU ops vllm_available() loaded
+
+
+def vllm_available(build: str = "auto") -> bool:
+    """Whether vLLM's CPU attention op loads. build "auto": the build vLLM picks for this CPU
+    (_C / _C_AVX512 / _C_AVX2); "avx2": its AVX2 build, what an AVX2-only machine runs, to
+    compare our AVX2 path with it like for like on an AVX-512 machine. One build a process
+    (each registers the same ops)."""
+    global VLLM_BUILD
     try:
-        from vllm.platforms.cpu import CpuPlatform
-        CpuPlatform.import_kernels()  # loads the right _C / _C_AVX512 / _C_AVX2 build
+        if build == "avx2":
+            try:
+                import vllm._C_AVX2  # noqa: F401
+            except ImportError as e:
+                # the library loads and registers its ops but defines no Python module
+                # (vLLM's own import_kernels ignores this message too)
+                if "module export function" not in str(e):
+                    raise
+        else:
+            from vllm.platforms.cpu import CpuPlatform
+            CpuPlatform.import_kernels()
+        VLLM_BUILD = build
         return hasattr(torch.ops._C, "cpu_attention_with_kv_cache")
     except Exception as e:  # noqa: BLE001
         print(f"vLLM CPU attention unavailable: {e!r}")
@@ -137,7 +155,10 @@ def _amx_permitted() -> bool:
 
 
 def vllm_isa() -> str:
-    """The ISA vLLM's CPU attention uses here: AMX where the CPU and kernel allow it."""
+    """The ISA vLLM's CPU attention uses here: AMX where the CPU and kernel allow it (not in
+    its AVX2 build)."""
+    if VLLM_BUILD == "avx2":
+        return "vec"
     if torch.cpu._is_amx_tile_supported() and _amx_permitted():
         return "amx"
     return "vec"  # block size 128 is a multiple of 32
