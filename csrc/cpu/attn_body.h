@@ -484,17 +484,19 @@ static inline void nuq_int_scales(const IntKey& ik, float* s, float* z, int n) {
   }
 }
 
-// dst[i] = base + i * stride (elements), i in [0, n): 8 pointers a store. Written as a plain
+// dst[i] = base + i * stride (elements), i in [0, n): 4 pointers a 256-bit store (every
+// path has them; Zen 4 splits a 512-bit store in two anyway, and a 512-bit generic vector
+// in the AVX2 body went through the stack, 3/4 of its prep_segment). Written as a plain
 // loop the compiler built each vector of pointers from scalar adds and inserts; the tile's
-// pointer arrays were ~half of prep_segment's samples (nuq3, 512 tokens).
+// pointer arrays were ~half of prep_segment's samples (nuq3, 512 tokens, AVX-512 body).
 template <class T>
 static inline void fill_strided(const T** dst, const T* base, int64_t stride, int n) {
-  typedef int64_t P8 __attribute__((vector_size(64)));
-  const int64_t sb = stride * (int64_t)sizeof(T);
-  P8 p = (P8){0, 1, 2, 3, 4, 5, 6, 7} * sb + (int64_t)(uintptr_t)base;
-  const P8 step = (P8){8, 8, 8, 8, 8, 8, 8, 8} * sb;
+  typedef int64_t P4 __attribute__((vector_size(32)));
+  const int64_t sb = stride * (int64_t)sizeof(T), b = (int64_t)(uintptr_t)base;
+  P4 p = {b, b + sb, b + 2 * sb, b + 3 * sb};
+  const P4 step = {4 * sb, 4 * sb, 4 * sb, 4 * sb};
   int i = 0;
-  for (; i + 8 <= n; i += 8, p += step) memcpy(dst + i, &p, sizeof p);
+  for (; i + 4 <= n; i += 4, p += step) memcpy(dst + i, &p, sizeof p);
   for (; i < n; ++i) dst[i] = base + i * stride;
 }
 
