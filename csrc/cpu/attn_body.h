@@ -1470,7 +1470,7 @@ static inline bool pv_bf16_rows(int MB) { return MB <= 4 || MB == 8; }
 // rows of at least 16 bytes (pv_pairs3 reads each step's 12 as 16 inside the row).
 static inline bool pv_bf16_3bit(const kvq::Codec& c, int D) {
   return c.bits == 3 && (c.encoding == kvq::ENC_INT || c.encoding == kvq::ENC_NUQ) &&
-         D % (2 * W) == 0 && D >= 4 * W &&
+         D % (2 * W) == 0 && D * 3 / 8 >= 16 &&
          (c.granularity != kvq::GRAN_GROUP || c.group % (2 * W) == 0);
 }
 #if KVQ_HAS_PV_BF16
