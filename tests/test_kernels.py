@@ -1135,11 +1135,14 @@ def test_attention_int8_query(name, D, gq):
 
 
 @pytest.mark.skipif("avx2" not in PATHS, reason="this CPU has no avx2")
-def test_3bit_key_repack_with_and_without_pdep(monkeypatch):
-    """The AVX2 path repacks 3-bit keys to 4 bits for the integer Q.K with BMI2 pdep where
-    pdep is fast, else with vector shuffles (AMD Zen 1/2; KVQ_NO_PDEP=1 forces them): the
-    same bytes, so the same attention bit for bit, and the int8-query reference's."""
-    c = build_case("int3_group32", 128, 32, gq=4, H=2, dtype=torch.float32,
+@pytest.mark.parametrize("D", [128, 96])
+def test_3bit_key_repack_with_and_without_pdep(D, monkeypatch):
+    """The AVX2 path repacks 3-bit keys to 4 bits for the integer Q.K, 64 codes at a time
+    in one register (cvt3to4_64), the rest of a row (D = 96: 32 codes) 16 at a time with
+    BMI2 pdep where pdep is fast, else with vector shuffles (AMD Zen 1/2; KVQ_NO_PDEP=1
+    forces them): the same bytes, so the same attention bit for bit, and the int8-query
+    reference's."""
+    c = build_case("int3_group32", D, 32, gq=4, H=2, dtype=torch.float32,
                    seqs=[(300, 1), (97, 1), (45, 1)], seed=_seed("pdep"))
     fast = run_mine(c, "avx2")
     monkeypatch.setenv("KVQ_NO_PDEP", "1")

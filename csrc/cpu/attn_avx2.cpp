@@ -431,11 +431,35 @@ static inline VI ci_tab16(const uint8_t* t) {
 }
 // Every byte x (a code < 16, ci_field's output) -> tab[x] (vpshufb).
 static inline VI ci_lut16(VI x, VI tab) { return _mm256_shuffle_epi8(tab, x); }
+// 64 packed 3-bit codes (24 bytes, 8 codes per 3) -> 32 bytes of 4-bit codes (code i in
+// nibble i) in one register: a masked load (no read past the 24 bytes), vpermd + vpshufb
+// put bytes 3i..3i+2 (codes 8i..8i+7) in dword i, and three shift-and-mask steps spread
+// each dword's 24 bits into 8 nibbles (codes 0-3 | 4-7 to 16-bit halves, then pairs to
+// bytes, then each code to its nibble). ~16 instructions a row of 64 codes where the
+// 16-code steps below take ~24 (pdep) to ~40: int3_group32 on this path, 9/3/64, 4 x 512,
+// one thread (Zen 4), 150-153 -> 139-141 us a call.
+static inline void cvt3to4_64(const uint8_t* src, uint8_t* dst) {
+  const __m256i six = _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0);
+  const __m256i perm = _mm256_setr_epi32(0, 1, 2, 3, 3, 4, 5, 6);
+  const __m256i spread = _mm256_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1,
+                                          0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
+  auto step = [](__m256i x, int keep, int move, int shift) {
+    return _mm256_or_si256(_mm256_and_si256(x, _mm256_set1_epi32(keep)),
+                           _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(move)), shift));
+  };
+  __m256i x = _mm256_maskload_epi32((const int*)src, six);
+  x = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(x, perm), spread);
+  x = step(x, 0x00000FFF, 0x00FFF000, 4);
+  x = step(x, 0x003F003F, 0x0FC00FC0, 2);
+  x = step(x, 0x07070707, 0x38383838, 1);
+  _mm256_storeu_si256((__m256i*)dst, x);
+}
 // D packed 3-bit codes (8 per 3 bytes) -> D/2 bytes of 4-bit codes (code i in nibble i),
-// D % 16 == 0. Per 16 codes: their 6 bytes in both 128-bit lanes, vpshufb puts the two
-// bytes holding code 8L + w in word w of lane L; (x << (13 - s)) >> 13 with s = 3w mod 8
-// (vpmullw by a power of two: AVX2 has no per-word shift) leaves the code; each dword's two
-// codes become one byte (w | w >> 12), and the lanes' four bytes are stored.
+// D % 16 == 0: 64 codes at a time (cvt3to4_64), the rest 16 at a time: their 6 bytes in
+// both 128-bit lanes, vpshufb puts the two bytes holding code 8L + w in word w of lane L;
+// (x << (13 - s)) >> 13 with s = 3w mod 8 (vpmullw by a power of two: AVX2 has no per-word
+// shift) leaves the code; each dword's two codes become one byte (w | w >> 12), and the
+// lanes' four bytes are stored.
 static inline void cvt3to4_row(const uint8_t* src, int D, uint8_t* dst) {
   alignas(32) static const struct Tabs {
     uint8_t idx[32];
@@ -454,7 +478,9 @@ static inline void cvt3to4_row(const uint8_t* src, int D, uint8_t* dst) {
   const __m256i pick = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
                                         -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1,
                                         -1, -1, -1, -1);
-  for (int d = 0; d < D; d += 16) {
+  int d = 0;
+  for (; d + 64 <= D; d += 64) cvt3to4_64(src + d / 8 * 3, dst + d / 2);
+  for (; d < D; d += 16) {
     // the 6 bytes assembled in a register: a 6-byte memcpy into a stack qword made the
     // broadcast wait for a failed store forward (~40% of nuq3's decode on Zen 4)
     uint32_t lo4;
@@ -470,13 +496,15 @@ static inline void cvt3to4_row(const uint8_t* src, int D, uint8_t* dst) {
     memcpy(dst + d / 2 + 4, &hi, 4);
   }
 }
-// cvt3to4_row by BMI2 pdep: 16 codes (48 bits) deposited into the low 3 bits of 16 nibbles
-// by one instruction (AVX2 Zen 3, 1 thread, 32/8/128 b4 8k, int4 values: int3_channel32_r32
-// keys 14.5 -> 13.2 ms, int3_token 12.2 -> 11.9; what is left of the repack is mostly the
-// rows' first reads). Only where pdep is fast (AttnParams::fast_pdep): Zen 1/2 microcode it.
+// cvt3to4_row with its 16-code steps by BMI2 pdep: 16 codes (48 bits) deposited into the
+// low 3 bits of 16 nibbles by one instruction (AVX2 Zen 3, 1 thread, 32/8/128 b4 8k, int4
+// values, before cvt3to4_64: int3_channel32_r32 keys 14.5 -> 13.2 ms, int3_token 12.2 ->
+// 11.9). Only where pdep is fast (AttnParams::fast_pdep): Zen 1/2 microcode it.
 #define KVQ_HAS_PDEP 1
 static inline void cvt3to4_row_pdep(const uint8_t* src, int D, uint8_t* dst) {
-  for (int d = 0; d < D; d += 16) {
+  int d = 0;
+  for (; d + 64 <= D; d += 64) cvt3to4_64(src + d / 8 * 3, dst + d / 2);
+  for (; d < D; d += 16) {
     uint32_t lo4;
     uint16_t hi2;
     memcpy(&lo4, src + d / 8 * 3, 4);
