@@ -1329,6 +1329,64 @@ static inline void decode_raw(const TileSrc& ts, int t, int u, VF* out) {
   }
 }
 
+// qk_fused for per-channel keys with the run's scale row folded into the query: S[m][t] =
+// Qf[m] . raw(t) + zs[m] for tokens [ta, tb) sharing one scale row (s, z), where Qf = Q * s
+// and zs = Q . z (qk_fold_rows), raw the codes or nuq levels as stored (decode_raw): one
+// FMA per chunk and token less than decoding each key (code * s + z) first.
+template <int KIND, bool PERM, int MB>
+static void qk_fused_fold(const float* Qf, const float* zs, const TileSrc& ts, int ta, int tb,
+                          int D, float* S) {
+  constexpr int TB = W / MB, NV = PERM ? 2 : 1;
+  const int nsteps = D / W / NV;
+  for (int t0 = ta; t0 < tb; t0 += TB) {
+    if (ts.next) ts.next->step(imin(TB, tb - t0));
+    VF acc[W];
+    for (int i = 0; i < W; ++i) acc[i] = vzero();
+    int tk[TB];
+    for (int ti = 0; ti < TB; ++ti) tk[ti] = imin(t0 + ti, tb - 1);
+    for (int u = 0; u < nsteps; ++u) {
+      VF kv[TB][NV];
+      for (int ti = 0; ti < TB; ++ti) decode_raw<KIND, PERM>(ts, tk[ti], u, kv[ti]);
+      for (int mi = 0; mi < MB; ++mi)
+        for (int v = 0; v < NV; ++v) {
+          const VF qv = vload(Qf + (int64_t)mi * D + (u * NV + v) * W);
+          for (int ti = 0; ti < TB; ++ti)
+            acc[mi * TB + ti] = vfma(qv, kv[ti][v], acc[mi * TB + ti]);
+        }
+    }
+    float tmp[W];
+    vstore(tmp, vreduce(acc));
+    for (int mi = 0; mi < MB; ++mi)
+      for (int ti = 0; ti < TB && t0 + ti < tb; ++ti)
+        S[mi * SL + t0 + ti] = tmp[mi * TB + ti] + zs[mi];
+  }
+}
+// Qf = Q * s and zs = Q . z for n rows of Q (stride D).
+static inline void qk_fold_rows(const float* Q, int n, int D, const float* s, const float* z,
+                                float* Qf, float* zs) {
+  for (int m = 0; m < n; ++m) {
+    VF a = vzero();
+    for (int d = 0; d < D; d += W) {
+      const VF q = vload(Q + (int64_t)m * D + d);
+      vstore(Qf + (int64_t)m * D + d, vmul(q, vload(s + d)));
+      a = vfma(q, vload(z + d), a);
+    }
+    zs[m] = vhsum(a);
+  }
+}
+template <int KIND, bool VEC, bool PERM>
+static void qk_fold_kind(KT<KIND, VEC, PERM>, int MBq, const float* Qf, const float* zs,
+                         const TileSrc& ts, int ta, int tb, int D, float* S) {
+  switch (MBq) {
+    case 1: qk_fused_fold<KIND, PERM, 1>(Qf, zs, ts, ta, tb, D, S); return;
+    case 2: qk_fused_fold<KIND, PERM, 2>(Qf, zs, ts, ta, tb, D, S); return;
+    case 3: qk_fused_fold<KIND, PERM, 3>(Qf, zs, ts, ta, tb, D, S); return;
+    case 4: qk_fused_fold<KIND, PERM, 4>(Qf, zs, ts, ta, tb, D, S); return;
+    case 8: qk_fused_fold<KIND, PERM, (8 <= W ? 8 : 1)>(Qf, zs, ts, ta, tb, D, S); return;
+    default: qk_fused_fold<KIND, PERM, (16 <= W ? 16 : 1)>(Qf, zs, ts, ta, tb, D, S); return;
+  }
+}
+
 // acc[m] += sum_{t in [a,b)} P[m][t] V[t] for MB rows, V decoded in registers; DS decode
 // steps (DS*NV chunks) per pass. U token sets: with U = 2 even and odd tokens go to their
 // own accumulators (summed at the end), so each accumulator's FMA chain is half as long.
@@ -1996,6 +2054,9 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   float* run_qs = zp + (size_t)Mp * (D / 16);       // kTileChanRows * Mp row scales
   float* run_zs = run_qs + (size_t)kTileChanRows * Mp;  // kTileChanRows * Mp: q . z
   int8_t* run_q8 = (int8_t*)(run_zs + (size_t)kTileChanRows * Mp);  // kTileChanRows * Mp * D
+  // per-channel keys on the fp32 Q.K: the query with a run's scale row folded in (Mp * D)
+  float* qfold = (float*)(((uintptr_t)(run_q8 + (size_t)kTileChanRows * Mp * D) + 63) &
+                          ~(uintptr_t)63);
 
   for (int i = 0; i < T.nq; ++i) {
     const int p = T.pos0 + i;
@@ -2102,6 +2163,15 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   if (kfperm)
     for (int p = 0; p < 64; ++p) fidx[p] = (uint8_t)ichan(kbits, p);
   const int kpk = kperm ? (P.kc.bits == 4 ? K_U4 : K_U2) : (ichn && !kfperm ? kord : -1);
+  // Per-channel int / nuq keys on the fp32 fused Q.K (nuq3 keys on the AVX2 path; any
+  // per-channel keys with KVQ_EXACT_QK=1 or without VNNI): each scale row folded into the
+  // query (qk_fused_fold) where a scale group is whole blocks of W / MBq tokens (AVX-512 with
+  // 3 rows: blocks of 5, a ragged block per run, not folded). AVX2, 1 thread, nuq3: 9/3/64
+  // 4 x 8k 2.42 -> 2.23 ms, 32/8/128 4 x 512 0.700 -> 0.650; AVX-512 with KVQ_EXACT_QK=1,
+  // kivi4 32/8/128 4 x 4k: the same within 1%.
+  const bool kfold = fused && !iqk && !qbf && P.kc.granularity == kvq::GRAN_CHANNEL &&
+                     (P.kc.encoding == kvq::ENC_INT || P.kc.encoding == kvq::ENC_NUQ) &&
+                     P.kc.group % imax(1, W / MBq) == 0;  // (fused: 1 <= MBq <= W)
   if (iqk) {
     // Q in code order (the kernels read MBq rows); per-token / per-group / static keys: the
     // int8 rows, their scales, qs * (each group's sum of q8), and Q itself rounded (the
@@ -2260,6 +2330,17 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
         qk_bf16<decltype(r)::value>(Qb, ks, nt, D, P.scale_log2, S);
       });
 #endif
+    } else if (kfold) {
+      // each run of tokens sharing a scale row: the row folded into the query (qk_fold_rows)
+      for (int t = 0; t < nt;) {
+        const int e = run_end(ks.sv, t, nt);
+        float zs[W];
+        qk_fold_rows(Qk, MBq, D, ks.sv[t], ks.zv[t], qfold, zs);
+        with_kind(P.kc, kperm, [&](auto k) { qk_fold_kind(k, MBq, qfold, zs, ks, t, e, D, S); },
+                  true);
+        t = e;
+      }
+      if (P.kc.outliers) outlier_fix_k(P.kc, ks, nt, M, D, Qk, S);
     } else if (fused) {
       with_kind(P.kc, kperm, [&](auto k) { qk_fused_kind(k, MBq, Qk, ks, nt, D, S); }, true);
       if (P.kc.outliers) outlier_fix_k(P.kc, ks, nt, M, D, Qk, S);

@@ -104,7 +104,8 @@ inline size_t scratch_floats(int max_rows, int D) {
   return M * D * 3 + M * TT + TT * D + tile_buf_floats(D) + 6 * M + 256 +
          M * D / 4 + M * (D / 4 + 2) + 2 * TT * (D / 4) + 64 +  // integer Q.K: q8, qs/qsum, zt/skT
          M * (D / 16) * TT + 2 * (D / 16) * TT + M * (D / 16) + 64 +  // folded P.V: PS, s/z, zp
-         kTileChanRows * M * (2 + D / 4) + 64;  // per-channel keys: the tile's folds
+         kTileChanRows * M * (2 + D / 4) + 64 +  // per-channel keys: the tile's folds
+         M * D + 16;  // per-channel keys on the fp32 Q.K: the folded query
 }
 
 using TaskFn = void (*)(const AttnParams&, const AttnTask&, float* scratch);
