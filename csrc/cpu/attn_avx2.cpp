@@ -540,6 +540,13 @@ static inline VF vbfly(VF x, int h) {
 #define KVQ_HAS_BF16DP 0  // no vdpbf16ps: bf16 keys take the fp32 Q.K (qk_fused)
 #define KVQ_HAS_PV_BF16 0  // and the decode P.V keeps fp32 weights (pv_fused)
 #define KVQ_HAS_PV_BYTE 1  // nuq 4-bit values: levels as bytes (ld_b4 / ld_b4x2)
+// Per-channel keys on the fp32 Q.K with each scale row folded into the query
+// (qk_fused_fold): one FMA and two loads a chunk and token less. nuq3 keys, 1 thread,
+// Zen 4: 9/3/64 4 x 8k 2.42 -> 2.23 ms, 4 x 512 159-160 -> 149-157 us, 32/8/128 4 x 512
+// 0.700 -> 0.650 ms. The AVX-512 body measured the same or slower with it (KVQ_EXACT_QK=1,
+// 4 x 4k: 9/3/64 kivi4 0.71-0.72 -> 0.73 ms, nuq3 0.86 -> 0.87-0.91; 32/8/128 kivi4
+// within 1%): its decode, not its FMAs, bounds that loop.
+#define KVQ_FOLD_QK 1
 #include "attn_body.h"
 #include "hadamard_body.h"
 

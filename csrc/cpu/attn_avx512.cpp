@@ -691,6 +691,7 @@ static inline VF vbfly(VF x, int h) {
 }
 
 #define KVQ_HAS_PV_BYTE 0  // vpermps reads all 16 float levels at once (ld_t4x2)
+#define KVQ_FOLD_QK 0  // (attn_avx2.cpp)
 #define KVQ_HAS_PDEP 0  // cvt3to4_row only
 #include "attn_body.h"
 #include "hadamard_body.h"

@@ -2055,7 +2055,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   float* run_zs = run_qs + (size_t)kTileChanRows * Mp;  // kTileChanRows * Mp: q . z
   int8_t* run_q8 = (int8_t*)(run_zs + (size_t)kTileChanRows * Mp);  // kTileChanRows * Mp * D
   // per-channel keys on the fp32 Q.K: the query with a run's scale row folded in (Mp * D)
-  float* qfold = (float*)(((uintptr_t)(run_q8 + (size_t)kTileChanRows * Mp * D) + 63) &
+  [[maybe_unused]] float* qfold = (float*)(((uintptr_t)(run_q8 + (size_t)kTileChanRows * Mp * D) + 63) &
                           ~(uintptr_t)63);
 
   for (int i = 0; i < T.nq; ++i) {
@@ -2163,15 +2163,13 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   if (kfperm)
     for (int p = 0; p < 64; ++p) fidx[p] = (uint8_t)ichan(kbits, p);
   const int kpk = kperm ? (P.kc.bits == 4 ? K_U4 : K_U2) : (ichn && !kfperm ? kord : -1);
-  // Per-channel int / nuq keys on the fp32 fused Q.K (nuq3 keys on the AVX2 path; any
-  // per-channel keys with KVQ_EXACT_QK=1 or without VNNI): each scale row folded into the
-  // query (qk_fused_fold) where a scale group is whole blocks of W / MBq tokens (AVX-512 with
-  // 3 rows: blocks of 5, a ragged block per run, not folded). AVX2, 1 thread, nuq3: 9/3/64
-  // 4 x 8k 2.42 -> 2.23 ms, 32/8/128 4 x 512 0.700 -> 0.650; AVX-512 with KVQ_EXACT_QK=1,
-  // kivi4 32/8/128 4 x 4k: the same within 1%.
-  const bool kfold = fused && !iqk && !qbf && P.kc.granularity == kvq::GRAN_CHANNEL &&
-                     (P.kc.encoding == kvq::ENC_INT || P.kc.encoding == kvq::ENC_NUQ) &&
-                     P.kc.group % imax(1, W / MBq) == 0;  // (fused: 1 <= MBq <= W)
+  // Per-channel int / nuq keys on the fp32 fused Q.K (nuq3 keys; any per-channel keys with
+  // KVQ_EXACT_QK=1): on the paths with KVQ_FOLD_QK each scale row is folded into the query
+  // (qk_fused_fold; W / MBq tokens a block: 8, 4, 2, 2 or 1, whole blocks per 32- or
+  // 16-token group).
+  [[maybe_unused]] const bool kfold = KVQ_FOLD_QK && fused && !iqk && !qbf &&
+                     P.kc.granularity == kvq::GRAN_CHANNEL &&
+                     (P.kc.encoding == kvq::ENC_INT || P.kc.encoding == kvq::ENC_NUQ);
   if (iqk) {
     // Q in code order (the kernels read MBq rows); per-token / per-group / static keys: the
     // int8 rows, their scales, qs * (each group's sum of q8), and Q itself rounded (the
@@ -2330,6 +2328,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
         qk_bf16<decltype(r)::value>(Qb, ks, nt, D, P.scale_log2, S);
       });
 #endif
+#if KVQ_FOLD_QK
     } else if (kfold) {
       // each run of tokens sharing a scale row: the row folded into the query (qk_fold_rows)
       for (int t = 0; t < nt;) {
@@ -2341,6 +2340,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
         t = e;
       }
       if (P.kc.outliers) outlier_fix_k(P.kc, ks, nt, M, D, Qk, S);
+#endif
     } else if (fused) {
       with_kind(P.kc, kperm, [&](auto k) { qk_fused_kind(k, MBq, Qk, ks, nt, D, S); }, true);
       if (P.kc.outliers) outlier_fix_k(P.kc, ks, nt, M, D, Qk, S);

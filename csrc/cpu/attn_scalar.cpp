@@ -376,6 +376,7 @@ static inline VF vbfly(VF x, int h) {
 #define KVQ_HAS_BF16DP 0  // no vdpbf16ps: bf16 keys take the fp32 Q.K (qk_fused)
 #define KVQ_HAS_PV_BF16 0  // and the decode P.V keeps fp32 weights (pv_fused)
 #define KVQ_HAS_PV_BYTE 0
+#define KVQ_FOLD_QK 0  // (attn_avx2.cpp)
 #define KVQ_HAS_PDEP 0  // cvt3to4_row only
 #include "attn_body.h"
 #include "hadamard_body.h"
