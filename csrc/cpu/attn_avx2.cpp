@@ -438,20 +438,22 @@ static inline VI ci_lut16(VI x, VI tab) { return _mm256_shuffle_epi8(tab, x); }
 // bytes, then each code to its nibble). ~16 instructions a row of 64 codes where the
 // 16-code steps below take ~24 (pdep) to ~40: int3_group32 on this path, 9/3/64, 4 x 512,
 // one thread (Zen 4), 150-153 -> 139-141 us a call.
+// (x & keep) | (x & move) << SHIFT
+template <int SHIFT>
+static inline __m256i keep_or_move(__m256i x, int keep, int move) {
+  return _mm256_or_si256(_mm256_and_si256(x, _mm256_set1_epi32(keep)),
+                         _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(move)), SHIFT));
+}
 static inline void cvt3to4_64(const uint8_t* src, uint8_t* dst) {
   const __m256i six = _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0);
   const __m256i perm = _mm256_setr_epi32(0, 1, 2, 3, 3, 4, 5, 6);
   const __m256i spread = _mm256_setr_epi8(0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1,
                                           0, 1, 2, -1, 3, 4, 5, -1, 6, 7, 8, -1, 9, 10, 11, -1);
-  auto step = [](__m256i x, int keep, int move, int shift) {
-    return _mm256_or_si256(_mm256_and_si256(x, _mm256_set1_epi32(keep)),
-                           _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(move)), shift));
-  };
   __m256i x = _mm256_maskload_epi32((const int*)src, six);
   x = _mm256_shuffle_epi8(_mm256_permutevar8x32_epi32(x, perm), spread);
-  x = step(x, 0x00000FFF, 0x00FFF000, 4);
-  x = step(x, 0x003F003F, 0x0FC00FC0, 2);
-  x = step(x, 0x07070707, 0x38383838, 1);
+  x = keep_or_move<4>(x, 0x00000FFF, 0x00FFF000);  // codes 0-3 | 4-7 to 16-bit halves
+  x = keep_or_move<2>(x, 0x003F003F, 0x0FC00FC0);  // pairs to bytes
+  x = keep_or_move<1>(x, 0x07070707, 0x38383838);  // each code to its nibble
   _mm256_storeu_si256((__m256i*)dst, x);
 }
 // D packed 3-bit codes (8 per 3 bytes) -> D/2 bytes of 4-bit codes (code i in nibble i),
@@ -541,7 +543,7 @@ static inline VF vbfly(VF x, int h) {
 #define KVQ_HAS_PV_BF16 0  // and the decode P.V keeps fp32 weights (pv_fused)
 #define KVQ_HAS_PV_BYTE 1  // nuq 4-bit values: levels as bytes (ld_b4 / ld_b4x2)
 // Per-channel keys on the fp32 Q.K with each scale row folded into the query
-// (qk_fused_fold): one FMA and two loads a chunk and token less. nuq3 keys, 1 thread,
+// (qk_fused's FOLD): one FMA and two loads a chunk and token less. nuq3 keys, 1 thread,
 // Zen 4: 9/3/64 4 x 8k 2.42 -> 2.23 ms, 4 x 512 159-160 -> 149-157 us, 32/8/128 4 x 512
 // 0.700 -> 0.650 ms. The AVX-512 body measured the same or slower with it (KVQ_EXACT_QK=1,
 // 4 x 4k: 9/3/64 kivi4 0.71-0.72 -> 0.73 ms, nuq3 0.86 -> 0.87-0.91; 32/8/128 kivi4

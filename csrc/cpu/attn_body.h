@@ -1258,20 +1258,38 @@ static inline float quantize_q8(const float* x, int D, int8_t* q8) {
 }
 
 // ---- fused decode path ---------------------------------------------------------------------
-// S[m][t] = Q[m] . K[t] for MB rows (MB*TB = W accumulators), K decoded in registers.
-template <int KIND, bool VEC, bool PERM, int MB>
-static void qk_fused(const float* Q, const TileSrc& ts, int nt, int D, float* S) {
+// Decode step u of token t without scale and zero: raw codes (int) or codebook levels (nuq).
+template <int KIND, bool PERM>
+static inline void decode_raw(const TileSrc& ts, int t, int u, VF* out) {
+  if (PERM) {
+    decode_pair<KIND>(ts, t, u, out[0], out[1]);
+  } else {
+    out[0] = decode_codes<KIND>(ts, t, u);
+  }
+}
+
+// S[m][t] = Q[m] . K[t] for tokens [ta, tb) and MB rows (MB*TB = W accumulators), K decoded
+// in registers. FOLD (KVQ_FOLD_QK; per-channel keys, a run of tokens sharing one scale row
+// s, z): Q is the query times s (qk_fold_rows) and K is read as stored (decode_raw: the codes
+// or nuq levels), S = Q . raw + zs[m] with zs = query . z: one FMA and two loads per chunk
+// and token less than decoding each key (code * s + z) first.
+template <int KIND, bool VEC, bool PERM, int MB, bool FOLD = false>
+static void qk_fused(const float* Q, const TileSrc& ts, int ta, int tb, int D, float* S,
+                     const float* zs = nullptr) {
   constexpr int TB = W / MB, NV = PERM ? 2 : 1;
   const int nsteps = D / W / NV;
-  for (int t0 = 0; t0 < nt; t0 += TB) {
-    if (ts.next) ts.next->step(imin(TB, nt - t0));
+  for (int t0 = ta; t0 < tb; t0 += TB) {
+    if (ts.next) ts.next->step(imin(TB, tb - t0));
     VF acc[W];
     for (int i = 0; i < W; ++i) acc[i] = vzero();
     int tk[TB];
-    for (int ti = 0; ti < TB; ++ti) tk[ti] = imin(t0 + ti, nt - 1);
+    for (int ti = 0; ti < TB; ++ti) tk[ti] = imin(t0 + ti, tb - 1);
     for (int u = 0; u < nsteps; ++u) {
       VF kv[TB][NV];
-      for (int ti = 0; ti < TB; ++ti) decode_step<KIND, VEC, PERM>(ts, tk[ti], u, kv[ti]);
+      for (int ti = 0; ti < TB; ++ti) {
+        if (FOLD) decode_raw<KIND, PERM>(ts, tk[ti], u, kv[ti]);
+        else decode_step<KIND, VEC, PERM>(ts, tk[ti], u, kv[ti]);
+      }
       for (int mi = 0; mi < MB; ++mi)
         for (int v = 0; v < NV; ++v) {
           const VF qv = vload(Q + (int64_t)mi * D + (u * NV + v) * W);
@@ -1282,7 +1300,22 @@ static void qk_fused(const float* Q, const TileSrc& ts, int nt, int D, float* S)
     float tmp[W];
     vstore(tmp, vreduce(acc));
     for (int mi = 0; mi < MB; ++mi)
-      for (int ti = 0; ti < TB && t0 + ti < nt; ++ti) S[mi * SL + t0 + ti] = tmp[mi * TB + ti];
+      for (int ti = 0; ti < TB && t0 + ti < tb; ++ti)
+        S[mi * SL + t0 + ti] = FOLD ? tmp[mi * TB + ti] + zs[mi] : tmp[mi * TB + ti];
+  }
+}
+
+// Qf = Q * s and zs = Q . z for n rows of Q (stride D).
+static inline void qk_fold_rows(const float* Q, int n, int D, const float* s, const float* z,
+                                float* Qf, float* zs) {
+  for (int m = 0; m < n; ++m) {
+    VF a = vzero();
+    for (int d = 0; d < D; d += W) {
+      const VF q = vload(Q + (int64_t)m * D + d);
+      vstore(Qf + (int64_t)m * D + d, vmul(q, vload(s + d)));
+      a = vfma(q, vload(z + d), a);
+    }
+    zs[m] = vhsum(a);
   }
 }
 
@@ -1319,73 +1352,6 @@ static KVQ_BF16_TARGET void qk_bf16(const uint16_t* Qb, const TileSrc& ts, int n
 }
 #endif
 
-// Decode step u of token t without scale and zero: raw codes (int) or codebook levels (nuq).
-template <int KIND, bool PERM>
-static inline void decode_raw(const TileSrc& ts, int t, int u, VF* out) {
-  if (PERM) {
-    decode_pair<KIND>(ts, t, u, out[0], out[1]);
-  } else {
-    out[0] = decode_codes<KIND>(ts, t, u);
-  }
-}
-
-// qk_fused for per-channel keys with the run's scale row folded into the query: S[m][t] =
-// Qf[m] . raw(t) + zs[m] for tokens [ta, tb) sharing one scale row (s, z), where Qf = Q * s
-// and zs = Q . z (qk_fold_rows), raw the codes or nuq levels as stored (decode_raw): one
-// FMA per chunk and token less than decoding each key (code * s + z) first.
-template <int KIND, bool PERM, int MB>
-static void qk_fused_fold(const float* Qf, const float* zs, const TileSrc& ts, int ta, int tb,
-                          int D, float* S) {
-  constexpr int TB = W / MB, NV = PERM ? 2 : 1;
-  const int nsteps = D / W / NV;
-  for (int t0 = ta; t0 < tb; t0 += TB) {
-    if (ts.next) ts.next->step(imin(TB, tb - t0));
-    VF acc[W];
-    for (int i = 0; i < W; ++i) acc[i] = vzero();
-    int tk[TB];
-    for (int ti = 0; ti < TB; ++ti) tk[ti] = imin(t0 + ti, tb - 1);
-    for (int u = 0; u < nsteps; ++u) {
-      VF kv[TB][NV];
-      for (int ti = 0; ti < TB; ++ti) decode_raw<KIND, PERM>(ts, tk[ti], u, kv[ti]);
-      for (int mi = 0; mi < MB; ++mi)
-        for (int v = 0; v < NV; ++v) {
-          const VF qv = vload(Qf + (int64_t)mi * D + (u * NV + v) * W);
-          for (int ti = 0; ti < TB; ++ti)
-            acc[mi * TB + ti] = vfma(qv, kv[ti][v], acc[mi * TB + ti]);
-        }
-    }
-    float tmp[W];
-    vstore(tmp, vreduce(acc));
-    for (int mi = 0; mi < MB; ++mi)
-      for (int ti = 0; ti < TB && t0 + ti < tb; ++ti)
-        S[mi * SL + t0 + ti] = tmp[mi * TB + ti] + zs[mi];
-  }
-}
-// Qf = Q * s and zs = Q . z for n rows of Q (stride D).
-static inline void qk_fold_rows(const float* Q, int n, int D, const float* s, const float* z,
-                                float* Qf, float* zs) {
-  for (int m = 0; m < n; ++m) {
-    VF a = vzero();
-    for (int d = 0; d < D; d += W) {
-      const VF q = vload(Q + (int64_t)m * D + d);
-      vstore(Qf + (int64_t)m * D + d, vmul(q, vload(s + d)));
-      a = vfma(q, vload(z + d), a);
-    }
-    zs[m] = vhsum(a);
-  }
-}
-template <int KIND, bool VEC, bool PERM>
-static void qk_fold_kind(KT<KIND, VEC, PERM>, int MBq, const float* Qf, const float* zs,
-                         const TileSrc& ts, int ta, int tb, int D, float* S) {
-  switch (MBq) {
-    case 1: qk_fused_fold<KIND, PERM, 1>(Qf, zs, ts, ta, tb, D, S); return;
-    case 2: qk_fused_fold<KIND, PERM, 2>(Qf, zs, ts, ta, tb, D, S); return;
-    case 3: qk_fused_fold<KIND, PERM, 3>(Qf, zs, ts, ta, tb, D, S); return;
-    case 4: qk_fused_fold<KIND, PERM, 4>(Qf, zs, ts, ta, tb, D, S); return;
-    case 8: qk_fused_fold<KIND, PERM, (8 <= W ? 8 : 1)>(Qf, zs, ts, ta, tb, D, S); return;
-    default: qk_fused_fold<KIND, PERM, (16 <= W ? 16 : 1)>(Qf, zs, ts, ta, tb, D, S); return;
-  }
-}
 
 // acc[m] += sum_{t in [a,b)} P[m][t] V[t] for MB rows, V decoded in registers; DS decode
 // steps (DS*NV chunks) per pass. U token sets: with U = 2 even and odd tokens go to their
@@ -1483,16 +1449,16 @@ static inline int fused_rows(int M) {
   if (M <= 8) return 8;
   return 16;
 }
-template <int KIND, bool VEC, bool PERM>
+template <bool FOLD = false, int KIND, bool VEC, bool PERM>
 static void qk_fused_kind(KT<KIND, VEC, PERM>, int MBq, const float* Q, const TileSrc& ts,
-                          int nt, int D, float* S) {
+                          int ta, int tb, int D, float* S, const float* zs = nullptr) {
   switch (MBq) {
-    case 1: qk_fused<KIND, VEC, PERM, 1>(Q, ts, nt, D, S); return;
-    case 2: qk_fused<KIND, VEC, PERM, 2>(Q, ts, nt, D, S); return;
-    case 3: qk_fused<KIND, VEC, PERM, 3>(Q, ts, nt, D, S); return;
-    case 4: qk_fused<KIND, VEC, PERM, 4>(Q, ts, nt, D, S); return;
-    case 8: qk_fused<KIND, VEC, PERM, (8 <= W ? 8 : 1)>(Q, ts, nt, D, S); return;
-    default: qk_fused<KIND, VEC, PERM, (16 <= W ? 16 : 1)>(Q, ts, nt, D, S); return;
+    case 1: qk_fused<KIND, VEC, PERM, 1, FOLD>(Q, ts, ta, tb, D, S, zs); return;
+    case 2: qk_fused<KIND, VEC, PERM, 2, FOLD>(Q, ts, ta, tb, D, S, zs); return;
+    case 3: qk_fused<KIND, VEC, PERM, 3, FOLD>(Q, ts, ta, tb, D, S, zs); return;
+    case 4: qk_fused<KIND, VEC, PERM, 4, FOLD>(Q, ts, ta, tb, D, S, zs); return;
+    case 8: qk_fused<KIND, VEC, PERM, (8 <= W ? 8 : 1), FOLD>(Q, ts, ta, tb, D, S, zs); return;
+    default: qk_fused<KIND, VEC, PERM, (16 <= W ? 16 : 1), FOLD>(Q, ts, ta, tb, D, S, zs); return;
   }
 }
 template <int KIND, bool VEC, bool PERM, bool FOLD>
@@ -2055,8 +2021,8 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   float* run_zs = run_qs + (size_t)kTileChanRows * Mp;  // kTileChanRows * Mp: q . z
   int8_t* run_q8 = (int8_t*)(run_zs + (size_t)kTileChanRows * Mp);  // kTileChanRows * Mp * D
   // per-channel keys on the fp32 Q.K: the query with a run's scale row folded in (Mp * D)
-  [[maybe_unused]] float* qfold = (float*)(((uintptr_t)(run_q8 + (size_t)kTileChanRows * Mp * D) + 63) &
-                          ~(uintptr_t)63);
+  [[maybe_unused]] float* qfold =
+      (float*)(((uintptr_t)(run_q8 + (size_t)kTileChanRows * Mp * D) + 63) & ~(uintptr_t)63);
 
   for (int i = 0; i < T.nq; ++i) {
     const int p = T.pos0 + i;
@@ -2165,7 +2131,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   const int kpk = kperm ? (P.kc.bits == 4 ? K_U4 : K_U2) : (ichn && !kfperm ? kord : -1);
   // Per-channel int / nuq keys on the fp32 fused Q.K (nuq3 keys; any per-channel keys with
   // KVQ_EXACT_QK=1): on the paths with KVQ_FOLD_QK each scale row is folded into the query
-  // (qk_fused_fold; W / MBq tokens a block: 8, 4, 2, 2 or 1, whole blocks per 32- or
+  // (qk_fused's FOLD; W / MBq tokens a block: 8, 4, 2, 2 or 1, whole blocks per 32- or
   // 16-token group).
   [[maybe_unused]] const bool kfold = KVQ_FOLD_QK && fused && !iqk && !qbf &&
                      P.kc.granularity == kvq::GRAN_CHANNEL &&
@@ -2335,14 +2301,14 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
         const int e = run_end(ks.sv, t, nt);
         float zs[W];
         qk_fold_rows(Qk, MBq, D, ks.sv[t], ks.zv[t], qfold, zs);
-        with_kind(P.kc, kperm, [&](auto k) { qk_fold_kind(k, MBq, qfold, zs, ks, t, e, D, S); },
-                  true);
+        with_kind(P.kc, kperm,
+                  [&](auto k) { qk_fused_kind<true>(k, MBq, qfold, ks, t, e, D, S, zs); }, true);
         t = e;
       }
       if (P.kc.outliers) outlier_fix_k(P.kc, ks, nt, M, D, Qk, S);
 #endif
     } else if (fused) {
-      with_kind(P.kc, kperm, [&](auto k) { qk_fused_kind(k, MBq, Qk, ks, nt, D, S); }, true);
+      with_kind(P.kc, kperm, [&](auto k) { qk_fused_kind(k, MBq, Qk, ks, 0, nt, D, S); }, true);
       if (P.kc.outliers) outlier_fix_k(P.kc, ks, nt, M, D, Qk, S);
       if (kfp8 && ktok)
         for (int m = 0; m < M; ++m)
