@@ -431,6 +431,12 @@ static inline VI ci_tab16(const uint8_t* t) {
 }
 // Every byte x (a code < 16, ci_field's output) -> tab[x] (vpshufb).
 static inline VI ci_lut16(VI x, VI tab) { return _mm256_shuffle_epi8(tab, x); }
+// (x & keep) | (x & move) << SHIFT
+template <int SHIFT>
+static inline __m256i keep_or_move(__m256i x, int keep, int move) {
+  return _mm256_or_si256(_mm256_and_si256(x, _mm256_set1_epi32(keep)),
+                         _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(move)), SHIFT));
+}
 // 64 packed 3-bit codes (24 bytes, 8 codes per 3) -> 32 bytes of 4-bit codes (code i in
 // nibble i) in one register: a masked load (no read past the 24 bytes), vpermd + vpshufb
 // put bytes 3i..3i+2 (codes 8i..8i+7) in dword i, and three shift-and-mask steps spread
@@ -438,12 +444,6 @@ static inline VI ci_lut16(VI x, VI tab) { return _mm256_shuffle_epi8(tab, x); }
 // bytes, then each code to its nibble). ~16 instructions a row of 64 codes where the
 // 16-code steps below take ~24 (pdep) to ~40: int3_group32 on this path, 9/3/64, 4 x 512,
 // one thread (Zen 4), 150-153 -> 139-141 us a call.
-// (x & keep) | (x & move) << SHIFT
-template <int SHIFT>
-static inline __m256i keep_or_move(__m256i x, int keep, int move) {
-  return _mm256_or_si256(_mm256_and_si256(x, _mm256_set1_epi32(keep)),
-                         _mm256_slli_epi32(_mm256_and_si256(x, _mm256_set1_epi32(move)), SHIFT));
-}
 static inline void cvt3to4_64(const uint8_t* src, uint8_t* dst) {
   const __m256i six = _mm256_setr_epi32(-1, -1, -1, -1, -1, -1, 0, 0);
   const __m256i perm = _mm256_setr_epi32(0, 1, 2, 3, 3, 4, 5, 6);

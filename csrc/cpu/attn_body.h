@@ -1352,7 +1352,6 @@ static KVQ_BF16_TARGET void qk_bf16(const uint16_t* Qb, const TileSrc& ts, int n
 }
 #endif
 
-
 // acc[m] += sum_{t in [a,b)} P[m][t] V[t] for MB rows, V decoded in registers; DS decode
 // steps (DS*NV chunks) per pass. U token sets: with U = 2 even and odd tokens go to their
 // own accumulators (summed at the end), so each accumulator's FMA chain is half as long.
@@ -2133,9 +2132,9 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   // KVQ_EXACT_QK=1): on the paths with KVQ_FOLD_QK each scale row is folded into the query
   // (qk_fused's FOLD; W / MBq tokens a block: 8, 4, 2, 2 or 1, whole blocks per 32- or
   // 16-token group).
-  [[maybe_unused]] const bool kfold = KVQ_FOLD_QK && fused && !iqk && !qbf &&
-                     P.kc.granularity == kvq::GRAN_CHANNEL &&
-                     (P.kc.encoding == kvq::ENC_INT || P.kc.encoding == kvq::ENC_NUQ);
+  [[maybe_unused]] const bool kfold =
+      KVQ_FOLD_QK && fused && !iqk && !qbf && P.kc.granularity == kvq::GRAN_CHANNEL &&
+      (P.kc.encoding == kvq::ENC_INT || P.kc.encoding == kvq::ENC_NUQ);
   if (iqk) {
     // Q in code order (the kernels read MBq rows); per-token / per-group / static keys: the
     // int8 rows, their scales, qs * (each group's sum of q8), and Q itself rounded (the
