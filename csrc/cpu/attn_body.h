@@ -2293,20 +2293,21 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
         qk_bf16<decltype(r)::value>(Qb, ks, nt, D, P.scale_log2, S);
       });
 #endif
-#if KVQ_FOLD_QK
-    } else if (kfold) {
-      // each run of tokens sharing a scale row: the row folded into the query (qk_fold_rows)
-      for (int t = 0; t < nt;) {
-        const int e = run_end(ks.sv, t, nt);
-        float zs[W];
-        qk_fold_rows(Qk, MBq, D, ks.sv[t], ks.zv[t], qfold, zs);
-        with_kind(P.kc, kperm,
-                  [&](auto k) { qk_fused_kind<true>(k, MBq, qfold, ks, t, e, D, S, zs); }, true);
-        t = e;
-      }
-      if (P.kc.outliers) outlier_fix_k(P.kc, ks, nt, M, D, Qk, S);
-#endif
     } else if (fused) {
+#if KVQ_FOLD_QK
+      if (kfold) {
+        // each run of tokens sharing a scale row: the row folded into the query
+        for (int t = 0; t < nt;) {
+          const int e = run_end(ks.sv, t, nt);
+          float zs[W];
+          qk_fold_rows(Qk, MBq, D, ks.sv[t], ks.zv[t], qfold, zs);
+          with_kind(P.kc, kperm,
+                    [&](auto k) { qk_fused_kind<true>(k, MBq, qfold, ks, t, e, D, S, zs); },
+                    true);
+          t = e;
+        }
+      } else
+#endif
       with_kind(P.kc, kperm, [&](auto k) { qk_fused_kind(k, MBq, Qk, ks, 0, nt, D, S); }, true);
       if (P.kc.outliers) outlier_fix_k(P.kc, ks, nt, M, D, Qk, S);
       if (kfp8 && ktok)
