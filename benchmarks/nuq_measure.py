@@ -138,7 +138,7 @@ def fisher_levels(layer: int, side: str, codec: Codec) -> torch.Tensor:
         if path is None:
             raise SystemExit("no shipped calibration for the default model")
         STATE["cal"] = read_calibration(path)
-    return _codebook(STATE["cal"], layer, side, codec)
+    return _codebook(STATE["cal"], layer, side, codec, "none")  # this harness rotates nothing
 
 
 # --- runs ----------------------------------------------------------------------------------------

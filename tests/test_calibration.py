@@ -198,6 +198,38 @@ def test_fit_levels_sorted_in_range_and_thresholds(tmp_path):
     assert cal.outlier_threshold(0, "k") == pytest.approx(2.576, rel=0.1)
 
 
+def test_rotated_codebooks_are_fitted_on_rotated_data_and_gradients():
+    """The `.hadamard` codebooks (what `_rot` / `_rotv` formats read) are fitted on x R with
+    Fisher weights (g R)^2: the same as an unrotated fit of data and gradients rotated
+    beforehand; they differ from the unrotated ones where a large channel sets the range."""
+    from vllm_kvq import rotation
+    g = torch.Generator().manual_seed(3)
+    both = Accumulator(1, ("token", "channel32"))
+    pre = Accumulator(1, ("token", "channel32"), rotations=("none",))
+    for side in SIDES:
+        x = torch.randn(1, 2, 64, 64, generator=g)
+        x[..., 5] *= 20  # one large channel: per-token ranges are set by it until rotated
+        grad = torch.randn(x.shape, generator=g)
+        both.add(0, side, x, grad)
+        pre.add(0, side, rotation.rotate(x), rotation.rotate(grad))
+    meta = dict(model="tiny", num_layers=1, num_kv_heads=2, head_dim=64)
+    a, b = both.fit((2, 3), meta), pre.fit((2, 3), meta)
+    assert a.meta["rotations"] == ["none", "hadamard"] and a.has_rotation("hadamard")
+    assert b.meta["rotations"] == ["none"] and not b.has_rotation("hadamard")
+    for side in SIDES:
+        for gran in ("token", "channel32"):
+            for wt in WEIGHTINGS:
+                rot = a.levels(0, side, 3, gran, weighting=wt, rotation="hadamard")
+                assert torch.equal(rot, b.levels(0, side, 3, gran, weighting=wt)), (side, gran)
+        plain = a.levels(0, side, 3, "token")
+        assert (a.levels(0, side, 3, "token", rotation="hadamard") - plain).abs().max() > 0.1
+    with pytest.raises(CalibrationError, match="rotation=hadamard.*available"):
+        b.levels(0, "k", 3, "token", rotation="hadamard")
+    with pytest.raises(CalibrationError, match="rotation 'givens' is not allowed; allowed: "
+                                               "none, hadamard"):
+        a.levels(0, "k", 3, "token", rotation="givens")
+
+
 def test_missing_codebook_lists_what_is_available():
     cal = make_calibration()
     with pytest.raises(CalibrationError, match=r"available.*k\.channel32\.b2.*v\.token\.b3"):
@@ -415,6 +447,7 @@ def test_cli_end_to_end_writes_a_loadable_file(tiny_model, tmp_path, capsys):
     assert "corpus.txt" in cal.meta["corpus"]
     assert cal.levels(1, "k", 3, "channel32").shape == (8,)
     assert cal.levels(0, "v", 2, "token_o1").shape == (4,)
+    assert cal.levels(0, "k", 2, "channel32", rotation="hadamard").shape == (4,)
     with pytest.raises(CalibrationError, match="bits=4"):
         cal.levels(0, "v", 4, "token")
     # fisher and unweighted codebooks differ (the weights matter)

@@ -12,6 +12,8 @@
 """
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -146,7 +148,10 @@ def test_nuq_needs_a_calibration(tmp_path):
     assert resolve_calibration(config_from_dict({"method": "int4_token"}), "/m/x").calibration is None
 
 
-def _calibration_file(tmp_path, layers=4, grans=("token", "token_o1", "group32", "channel32")):
+def _calibration_file(tmp_path, layers=4, grans=("token", "token_o1", "group32", "channel32"),
+                      rotated=False):
+    """Levels powered_levels(b, p): p 1.0, 1.1 for codebooks fitted with outliers left out
+    (_o1), +0.5 for those fitted on rotated data (`.hadamard`, written if `rotated`)."""
     from vllm_kvq.codebook_file import CALIBRATION_VERSION, Calibration
     tensors = {}
     for side in ("k", "v"):
@@ -154,6 +159,9 @@ def _calibration_file(tmp_path, layers=4, grans=("token", "token_o1", "group32",
             for b in (2, 3, 4):
                 lv = powered_levels(b, 1.0 + 0.1 * ("_o1" in g))
                 tensors[f"levels.fisher.{side}.{g}.b{b}"] = lv.repeat(layers, 1)
+                if rotated:
+                    lv = powered_levels(b, 1.5 + 0.1 * ("_o1" in g))
+                    tensors[f"levels.fisher.{side}.{g}.b{b}.hadamard"] = lv.repeat(layers, 1)
     meta = {"version": CALIBRATION_VERSION, "num_layers": layers, "num_kv_heads": 3,
             "head_dim": 64, "model_type": "llama", "model": "test"}
     return Calibration(meta, tensors).save(tmp_path / "cal.safetensors")
@@ -178,6 +186,40 @@ def test_load_levels_per_layer_and_mismatch(tmp_path):
     with pytest.raises(FormatError, match="no fisher codebook for side=k bits=3 granularity="
                                           "'group16'"):
         load_levels(cfg, num_layers=4, num_kv_heads=3, head_dim=64)
+
+
+@pytest.mark.parametrize("method, k_power, v_power", [
+    ("nuq3", 1.0, 1.1), ("nuq3_rotv", 1.0, 1.6), ("nuq3_rot", 1.5, 1.6),
+    ("nuq2_o0_sink_rot", 1.5, 1.5)])
+def test_rotated_formats_read_the_codebooks_fitted_on_rotated_data(tmp_path, method, k_power,
+                                                                   v_power):
+    """A side that a format quantizes rotated (values under _rotv, both under _rot) reads
+    the `.hadamard` codebooks; the other side the unrotated ones."""
+    pytest.importorskip("safetensors")
+    path = _calibration_file(tmp_path, rotated=True)
+    cfg = config_from_dict({"method": method, "calibration": str(path)})
+    bits = cfg.fmt.key.bits
+    k, v = load_levels(cfg, num_layers=4, num_kv_heads=3, head_dim=64)[3]
+    assert torch.equal(k, powered_levels(bits, k_power))
+    assert torch.equal(v, powered_levels(bits, v_power))
+
+
+def test_a_file_without_rotated_codebooks_serves_rotated_formats_unrotated_ones(tmp_path,
+                                                                               caplog):
+    """Files made before the rotated codebooks were added: the rotated side falls back to
+    the unrotated codebooks, with a warning that says to recalibrate."""
+    pytest.importorskip("safetensors")
+    path = _calibration_file(tmp_path)
+    cfg = config_from_dict({"method": "nuq3_rot", "calibration": str(path)})
+    caplog.set_level("WARNING", logger="vllm.vllm_kvq.config")
+    caplog.handler.setLevel("WARNING")
+    logging.getLogger("vllm.vllm_kvq.config").addHandler(caplog.handler)
+    try:
+        k, v = load_levels(cfg, num_layers=4, num_kv_heads=3, head_dim=64)[0]
+    finally:
+        logging.getLogger("vllm.vllm_kvq.config").removeHandler(caplog.handler)
+    assert torch.equal(k, powered_levels(3, 1.0)) and torch.equal(v, powered_levels(3, 1.1))
+    assert "no codebooks fitted on rotated" in caplog.text and "vllm-kvq calibrate" in caplog.text
 
 
 def test_layer_index_from_layer_name():

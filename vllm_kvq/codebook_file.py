@@ -3,9 +3,12 @@
 vllm_kvq.model_prep prepares.
 
 File: safetensors. Tensors `levels.<weighting>.<k|v>.<granularity>.b<bits>` [layers, 2^b]
-(ascending, within [-1, 1]), `outliers.<k|v>` [layers, fractions], `outlier_fractions`;
-metadata `vllm_kvq_calibration` = JSON (version, model, dimensions, corpus, ...). Levels are
-in normalized units of the serve-time scale groups (vllm_kvq.tools.calibrate.normalize).
+(ascending, within [-1, 1]) fitted on keys and values as the cache stores them unrotated,
+the same with a `.hadamard` suffix fitted on them Hadamard-rotated (vllm_kvq.rotation: what
+a `_rot` / `_rotv` format quantizes; files made before these were added lack them),
+`outliers.<k|v>` [layers, fractions], `outlier_fractions`; metadata `vllm_kvq_calibration` =
+JSON (version, model, dimensions, corpus, ...). Levels are in normalized units of the
+serve-time scale groups (vllm_kvq.tools.calibrate.normalize).
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ CALIBRATION_VERSION = 1
 META_KEY = "vllm_kvq_calibration"
 SIDES = ("k", "v")
 WEIGHTINGS = ("fisher", "unweighted")
+# the data a codebook was fitted on: as stored, or rotated as a rotated format stores it
+ROTATIONS = ("none", "hadamard")
 SHIPPED_DIR = Path(__file__).with_name("calibrations")
 DEFAULT_MODEL_NAMES = ("HuggingFaceTB/SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct")
 
@@ -37,22 +42,34 @@ class Calibration:
         return sorted(k.split(".", 2)[2] for k in self.tensors
                       if k.startswith(f"levels.{weighting}."))
 
+    def has_rotation(self, rotation: str) -> bool:
+        """Whether the file holds codebooks fitted on data rotated this way."""
+        return rotation == "none" or any(k.startswith("levels.") and k.endswith(f".{rotation}")
+                                         for k in self.tensors)
+
     def levels(self, layer: int, side: str, bits: int, granularity: str,
-               weighting: str = "fisher") -> torch.Tensor:
-        """The 2^bits ascending levels in [-1, 1] (float32) for one layer and side."""
+               weighting: str = "fisher", rotation: str = "none") -> torch.Tensor:
+        """The 2^bits ascending levels in [-1, 1] (float32) for one layer and side, fitted on
+        the data as stored (rotation "none") or Hadamard-rotated ("hadamard")."""
         if side not in SIDES:
             raise CalibrationError(f"side {side!r} is not allowed; allowed: k, v")
+        if rotation not in ROTATIONS:
+            raise CalibrationError(f"rotation {rotation!r} is not allowed; allowed: "
+                                   f"{', '.join(ROTATIONS)}")
         n = self.meta["num_layers"]
         if not 0 <= layer < n:
             raise CalibrationError(f"layer {layer} is out of range: the calibration has {n} layers")
         if granularity == f"group{self.meta.get('head_dim')}":
             granularity = "token"  # one group spanning the head vector is the token's group
         key = f"levels.{weighting}.{side}.{granularity}.b{bits}"
+        if rotation != "none":
+            key += f".{rotation}"
         t = self.tensors.get(key)
         if t is None:
             raise CalibrationError(
                 f"no {weighting} codebook for side={side} bits={bits} granularity="
-                f"{granularity!r} in this calibration; available (side.granularity.bits): "
+                f"{granularity!r} rotation={rotation} in this calibration; available "
+                f"(side.granularity.bits[.rotation]): "
                 f"{', '.join(self.available(weighting)) or 'none'}")
         return t[layer].clone()
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -41,6 +42,8 @@ from vllm_kvq.formats import (KIVI_DEFAULT_GROUP, SINK_TOKENS, Codec, FormatErro
                               KVFormat, parse_format)
 from vllm_kvq.residual import WINDOW_BITS
 from vllm_kvq.rotation import ROTATIONS
+
+logger = logging.getLogger("vllm." + __name__)  # vLLM's handlers print it
 
 CONFIG_KEY = "kvq"
 ALLOWED_KEYS = ("method", "bits", "group_size", "key_granularity", "value_granularity",
@@ -305,13 +308,14 @@ def load_levels(cfg: KVQConfig, *, num_layers: int, num_kv_heads: int, head_dim:
         return _gaussian_levels(cfg.fmt.key, cfg.fmt.value, num_layers, head_dim)
     if cfg.calibration is None:
         raise FormatError(f"kvq.method={cfg.fmt.name!r} needs kvq.calibration")
-    return _load_levels(cfg.calibration, cfg.fmt.key, cfg.fmt.value, num_layers, num_kv_heads,
-                        head_dim, model_type)
+    return _load_levels(cfg.calibration, cfg.fmt.key, cfg.fmt.value, cfg.fmt.rotation,
+                        num_layers, num_kv_heads, head_dim, model_type)
 
 
-def _codebook(cal, layer: int, side: str, c):
-    """The levels fitted for this codec's scale groups: with outlier slots, those fitted
-    with outliers left out (granularity "token_o1", ...) when the file has them."""
+def _codebook(cal, layer: int, side: str, c, rotation: str):
+    """The levels fitted for this codec's scale groups on the data as this side stores it
+    (rotated or not): with outlier slots, those fitted with outliers left out (granularity
+    "token_o1", ...) when the file has them."""
     from vllm_kvq.codebook_file import CalibrationError
     names = [c.gran_name]
     if c.outliers:
@@ -319,7 +323,7 @@ def _codebook(cal, layer: int, side: str, c):
         names = list(dict.fromkeys(names))
     for i, name in enumerate(names):
         try:
-            return cal.levels(layer, side, c.bits, name)
+            return cal.levels(layer, side, c.bits, name, rotation=rotation)
         except CalibrationError:
             if i == len(names) - 1:
                 raise
@@ -334,12 +338,22 @@ def _gaussian_levels(kc, vc, num_layers, head_dim):
 
 
 @lru_cache(maxsize=8)
-def _load_levels(path, kc, vc, num_layers, num_kv_heads, head_dim, model_type):
+def _load_levels(path, kc, vc, rotation, num_layers, num_kv_heads, head_dim, model_type):
     from vllm_kvq.codebook_file import CalibrationError, load_calibration
     from vllm_kvq.reference import check_levels
+    from vllm_kvq.rotation import rotates_keys
     try:
         cal = load_calibration(path, num_layers=num_layers, num_kv_heads=num_kv_heads,
                                head_dim=head_dim, model_type=model_type)
+        # the data each side quantizes: values rotated by either rotation, keys by "hadamard"
+        rotated = {"k": rotates_keys(rotation), "v": rotation != "none"}
+        fitted = "hadamard" if cal.has_rotation("hadamard") else "none"
+        if fitted == "none" and any(rotated[s] and c.encoding == "nuq"
+                                    for s, c in (("k", kc), ("v", vc))):
+            logger.warning("vllm-kvq: calibration %s has no codebooks fitted on rotated keys "
+                           "and values (made before they were added); the rotated format "
+                           "uses those fitted unrotated. Rerun `vllm-kvq calibrate` for them.",
+                           path)
         out = []
         for layer in range(num_layers):
             pair = []
@@ -347,7 +361,7 @@ def _load_levels(path, kc, vc, num_layers, num_kv_heads, head_dim, model_type):
                 if c.encoding != "nuq":
                     pair.append(None)
                     continue
-                lv = _codebook(cal, layer, side, c)
+                lv = _codebook(cal, layer, side, c, fitted if rotated[side] else "none")
                 pair.append(check_levels(lv, c, f"calibration {path}: layer {layer} {side} "
                                                 f"levels"))
             out.append(tuple(pair))

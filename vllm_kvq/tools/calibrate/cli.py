@@ -66,7 +66,10 @@ def cmd_calibrate(args) -> int:
     dims = model_dims(model.config)
     print(f"calibrating {model_path} ({dims['num_layers']} layers, {dims['num_kv_heads']} kv "
           f"heads, head_dim {dims['head_dim']}) on {corpus}", file=sys.stderr, flush=True)
-    acc = Accumulator(dims["num_layers"], grans)
+    from vllm_kvq.rotation import HEAD_SIZES
+    # codebooks for rotated formats too, where the head size has a Hadamard rotation
+    rotations = ("none", "hadamard") if dims["head_dim"] in HEAD_SIZES else ("none",)
+    acc = Accumulator(dims["num_layers"], grans, rotations=rotations)
     loss = collect(model, windows, acc, progress=not args.quiet)
     meta = dict(dims, model=Path(model_path).name if Path(model_path).exists() else model_path,
                 corpus=corpus, tokens=sum(map(len, windows)), seq_len=args.seq_len,

@@ -9,6 +9,11 @@ scale^2, which turns it into normalized units. Codebooks are weighted 1-D k-mean
 histogram of the normalized values (4097 grid points on [-1, 1], both ends exact).
 Unweighted codebooks are fitted and stored too, so the benefit of the weighting can be
 measured (evaluate.py).
+
+Rotated formats (`_rot`, `_rotv`) quantize x R, not x (vllm_kvq.rotation), whose normalized
+values are distributed otherwise (a large channel spread over all of them), so each
+codebook is fitted a second time on the rotated keys and values, weighted by the rotated
+gradients (x R's gradient is g R: R is orthogonal), and stored with a `.hadamard` suffix.
 """
 from __future__ import annotations
 
@@ -18,8 +23,9 @@ import sys
 
 import torch
 
-from vllm_kvq.codebook_file import (CALIBRATION_VERSION, SIDES, WEIGHTINGS, Calibration,
-                                    CalibrationError)
+from vllm_kvq import rotation
+from vllm_kvq.codebook_file import (CALIBRATION_VERSION, ROTATIONS, SIDES, WEIGHTINGS,
+                                    Calibration, CalibrationError)
 from vllm_kvq.tools.calibrate.hooks import check_window, set_hook
 from vllm_kvq.tools.calibrate.kmeans import weighted_kmeans_1d
 from vllm_kvq.tools.calibrate.normalize import (normalize, one_thread, parse_granularity,
@@ -52,13 +58,15 @@ class _TopAbs:
 
 
 class Accumulator:
-    """Weighted histograms of normalized values per (layer, side, granularity, weighting)
-    and the |x| tails per (layer, side)."""
+    """Weighted histograms of normalized values per (layer, side, granularity, weighting,
+    rotation) and the |x| tails per (layer, side). rotations: ("none", "hadamard") where the
+    head size has a Hadamard rotation (rotation.HEAD_SIZES), else ("none",)."""
 
     def __init__(self, num_layers: int, granularities=GRANULARITIES,
-                 fractions=OUTLIER_FRACTIONS, grid: int = GRID):
+                 fractions=OUTLIER_FRACTIONS, grid: int = GRID, rotations=ROTATIONS):
         self.num_layers, self.grid = num_layers, grid
         self.grans = [parse_granularity(g) for g in granularities]
+        self.rotations = tuple(rotations)
         self.fractions = tuple(fractions)
         self.hist = {}
         self.tails = {(l, s): _TopAbs(max(fractions)) for l in range(num_layers) for s in SIDES}
@@ -74,7 +82,15 @@ class Accumulator:
         self.tails[(layer, side)].add(x)
         if side == "k" and layer == 0:
             self.values += x.numel()
-        g2 = None if grad is None else grad.detach().float().square()
+        grad = None if grad is None else grad.detach().float()
+        for rot in self.rotations:
+            xr, gr = x, grad
+            if rot == "hadamard":
+                xr = rotation.rotate(x)
+                gr = None if grad is None else rotation.rotate(grad)
+            self._add_histograms(layer, side, rot, xr, None if gr is None else gr.square())
+
+    def _add_histograms(self, layer, side, rot, x, g2) -> None:
         for g in self.grans:
             xn, _, scale, valid = normalize(x, g)
             idx = ((xn + 1) * (self.grid / 2)).round_().long().clamp_(0, self.grid)
@@ -86,7 +102,7 @@ class Accumulator:
                 weights = {k: (None if w is None else w[valid]) for k, w in weights.items()}
             idx = idx.flatten()
             for wname, w in weights.items():
-                key = (layer, side, g.name, wname)
+                key = (layer, side, g.name, wname, rot)
                 h = torch.bincount(idx, weights=None if w is None else w.flatten().double(),
                                    minlength=self.grid + 1).double()
                 self.hist[key] = self.hist[key] + h if key in self.hist else h
@@ -99,14 +115,17 @@ class Accumulator:
             for side in SIDES:
                 for g in self.grans:
                     for b in bits:
-                        rows = []
-                        for layer in range(self.num_layers):
-                            h = self.hist.get((layer, side, g.name, wname))
-                            if h is None or not (h > 0).any():
-                                raise CalibrationError(
-                                    f"layer {layer} {side} {g.name}: no data to fit")
-                            rows.append(weighted_kmeans_1d(xs, h, 2 ** b))
-                        tensors[f"levels.{wname}.{side}.{g.name}.b{b}"] = torch.stack(rows).float()
+                        for rot in self.rotations:
+                            rows = []
+                            for layer in range(self.num_layers):
+                                h = self.hist.get((layer, side, g.name, wname, rot))
+                                if h is None or not (h > 0).any():
+                                    raise CalibrationError(
+                                        f"layer {layer} {side} {g.name}: no data to fit")
+                                rows.append(weighted_kmeans_1d(xs, h, 2 ** b))
+                            key = f"levels.{wname}.{side}.{g.name}.b{b}"
+                            key += "" if rot == "none" else f".{rot}"
+                            tensors[key] = torch.stack(rows).float()
         for side in SIDES:
             tensors[f"outliers.{side}"] = torch.tensor(
                 [[self.tails[(l, side)].threshold(f) for f in self.fractions]
@@ -115,6 +134,7 @@ class Accumulator:
         meta = dict(meta or {})
         meta.update(version=CALIBRATION_VERSION, bits=list(bits),
                     granularities=[g.name for g in self.grans], weightings=weightings,
+                    rotations=list(self.rotations),
                     outlier_fractions=list(self.fractions), histogram_grid=self.grid + 1,
                     values_per_layer_side=self.values)
         meta.setdefault("created", _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
