@@ -308,13 +308,15 @@ def test_shipped_file_loads_for_its_model(model):
     assert path.stat().st_size < 200_000
     cal = load_calibration(path, model_type=model_type, **dims)
     assert cal.meta["tokens"] >= 2048 and cal.meta["sensitivity"].startswith("fisher")
+    assert cal.has_rotation("hadamard")  # what the _rot / _rotv formats read
     for layer in layers:
         for side in "kv":
             for bits in (2, 3, 4):
                 for gran in ("token", "group32", "channel32", "token_o1"):
-                    lv = cal.levels(layer, side, bits, gran)
-                    assert lv.shape == (2 ** bits,) and (lv[1:] > lv[:-1]).all()
-                    assert -1 <= lv.min() and lv.max() <= 1
+                    for rotation in ("none", "hadamard"):
+                        lv = cal.levels(layer, side, bits, gran, rotation=rotation)
+                        assert lv.shape == (2 ** bits,) and (lv[1:] > lv[:-1]).all()
+                        assert -1 <= lv.min() and lv.max() <= 1
             assert cal.outlier_threshold(layer, side) > 0
     # a folder of another name is recognized by model_prep's completion marker
     other = SHIPPED[next(m for m in SHIPPED if m != model)]
