@@ -33,6 +33,13 @@ class CalibrationError(ValueError):
     model, or a codebook that was not fitted; the message says which and what there is."""
 
 
+def levels_key(weighting: str, side: str, granularity: str, bits: int,
+               rotation: str = "none") -> str:
+    """A codebook's tensor name in the file (the module docstring's naming)."""
+    key = f"levels.{weighting}.{side}.{granularity}.b{bits}"
+    return key if rotation == "none" else f"{key}.{rotation}"
+
+
 @dataclass
 class Calibration:
     meta: dict
@@ -61,10 +68,7 @@ class Calibration:
             raise CalibrationError(f"layer {layer} is out of range: the calibration has {n} layers")
         if granularity == f"group{self.meta.get('head_dim')}":
             granularity = "token"  # one group spanning the head vector is the token's group
-        key = f"levels.{weighting}.{side}.{granularity}.b{bits}"
-        if rotation != "none":
-            key += f".{rotation}"
-        t = self.tensors.get(key)
+        t = self.tensors.get(levels_key(weighting, side, granularity, bits, rotation))
         if t is None:
             raise CalibrationError(
                 f"no {weighting} codebook for side={side} bits={bits} granularity="

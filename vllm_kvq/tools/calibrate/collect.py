@@ -25,7 +25,7 @@ import torch
 
 from vllm_kvq import rotation
 from vllm_kvq.codebook_file import (CALIBRATION_VERSION, ROTATIONS, SIDES, WEIGHTINGS,
-                                    Calibration, CalibrationError)
+                                    Calibration, CalibrationError, levels_key)
 from vllm_kvq.tools.calibrate.hooks import check_window, set_hook
 from vllm_kvq.tools.calibrate.kmeans import weighted_kmeans_1d
 from vllm_kvq.tools.calibrate.normalize import (normalize, one_thread, parse_granularity,
@@ -123,8 +123,7 @@ class Accumulator:
                                     raise CalibrationError(
                                         f"layer {layer} {side} {g.name}: no data to fit")
                                 rows.append(weighted_kmeans_1d(xs, h, 2 ** b))
-                            key = f"levels.{wname}.{side}.{g.name}.b{b}"
-                            key += "" if rot == "none" else f".{rot}"
+                            key = levels_key(wname, side, g.name, b, rot)
                             tensors[key] = torch.stack(rows).float()
         for side in SIDES:
             tensors[f"outliers.{side}"] = torch.tensor(
