@@ -9,7 +9,13 @@ shape in the same run.
 
   python benchmarks/bench_cpu_attention.py [--quick] [--threads N] [--formats bf16,kivi2]
       [--shapes 32/8/128,9/3/64] [--batches 4,16] [--contexts 512,32768] [--huge-pages]
-      [--rounds 2]
+      [--rounds 2] [--interleave]
+
+--interleave: every row of a cell (vLLM's op and each format) is built first and then timed
+in turn, --rounds passes over all of them (shorter timings, each row keeping its least), so a
+slow phase of the host lasting a minute slows every row of the cell instead of the few timed
+in it (on session 45's Zen 3 VM one 512-token cell's rows drifted 30% within a run). It
+holds all the cell's caches at once: at 32k tokens, batch 16, 32/8/128 ~10 GB.
 
 nuq formats (e.g. --formats nuq3,int4_token_o1) run with the uniform codebook: the speed of
 a codebook does not depend on its levels. vLLM's op is its build for our SIMD path: with
@@ -47,6 +53,58 @@ def min_times(a, b):
     return b if a is None else (min(a[0], b[0]), min(a[1], b[1]))
 
 
+def check_bf16(out, vllm_out):
+    """Same data: our bf16 kernel and vLLM's agree."""
+    if vllm_out is not None:
+        diff = (out.float() - vllm_out.float()).abs().max().item()
+        assert diff < 2e-2, f"our bf16 vs vLLM bf16 differ by {diff}"
+
+
+def sequential_rows(formats, vllm_run, vllm_out, vllm_nb, rounds, H, D, batch, ctx, q, k, v):
+    """(rows, our bf16's times, vLLM's times): one format at a time, timed `rounds` times,
+    each time beside vLLM's op, whose row keeps the least of all its timings."""
+    rows, ours_bf16 = [], None
+    vllm_ms = timeit(vllm_run) if vllm_run is not None else None
+    for name in formats:
+        _, lay, run, out = decode_case(name, H, D, batch, ctx, torch.Generator().manual_seed(7),
+                                       q, k, v)
+        ms = None
+        for _ in range(max(1, rounds)):
+            ms = min_times(ms, timeit(run))
+            if vllm_run is not None:
+                vllm_ms = min_times(vllm_ms, timeit(vllm_run))
+        if name == "bf16":
+            ours_bf16 = ms
+            check_bf16(out, vllm_out)
+        rows.append((name, ms, batch * H * ctx * lay.token_bytes))
+        del run, out  # one format's cache at a time
+    if vllm_run is not None:
+        rows.insert(0, ("vLLM bf16", vllm_ms, vllm_nb))
+    return rows, ours_bf16, vllm_ms
+
+
+def interleaved_rows(formats, vllm_run, vllm_out, vllm_nb, rounds, H, D, batch, ctx, q, k, v):
+    """(rows, our bf16's times, vLLM's times): every row of a cell built, then `rounds`
+    passes timing each in turn (timeit's min_time / 4 each), each row keeping its least."""
+    cases = []
+    if vllm_run is not None:
+        vllm_run()  # its output, for check_bf16
+        cases.append(("vLLM bf16", vllm_run, vllm_nb))
+    for name in formats:
+        _, lay, run, out = decode_case(name, H, D, batch, ctx, torch.Generator().manual_seed(7),
+                                       q, k, v)
+        run()
+        if name == "bf16":
+            check_bf16(out, vllm_out)
+        cases.append((name, run, batch * H * ctx * lay.token_bytes))
+    best = {name: None for name, _, _ in cases}
+    for _ in range(max(1, rounds)):
+        for name, run, _ in cases:
+            best[name] = min_times(best[name], timeit(run, min_time=0.1))
+    rows = [(name, best[name], nb) for name, _, nb in cases]
+    return rows, best.get("bf16"), best.get("vLLM bf16")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="batch 1/4, context 1k/4k only")
@@ -64,10 +122,14 @@ def main():
     ap.add_argument("--huge-pages", action="store_true",
                     help="both sides' caches on transparent huge pages (what an engine served "
                          "by vllm-kvq gets; vllm_kvq.hugepages); default: as allocated")
-    ap.add_argument("--rounds", type=int, default=2,
-                    help="times each format is timed, each time beside vLLM's op (a row "
-                         "keeps its minimum): a phase of host noise then slows both rows "
-                         "instead of one")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="times each format is timed (default 2), each time beside vLLM's "
+                         "op (a row keeps its minimum): a phase of host noise then slows both "
+                         "rows instead of one")
+    ap.add_argument("--interleave", action="store_true",
+                    help="build every row of a cell first, then time them in turn, --rounds "
+                         "passes (default 8 then) of shorter timings: robust to a drifting host, "
+                         "holds all of a cell's caches at once")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch/OpenMP threads (0: torch's default); on a shared or oversubscribed "
                          "machine 1 thread gives the stablest numbers")
@@ -106,32 +168,17 @@ def main():
                 q = torch.randn(batch, Hq, D, generator=gen).to(torch.bfloat16)
                 k = torch.randn(BASE_TOKENS, H, D, generator=gen).to(torch.bfloat16)
                 v = torch.randn(BASE_TOKENS, H, D, generator=gen).to(torch.bfloat16)
-                rows = []
-                vllm_ms = vllm_out = vllm_run = None
+                vllm_out = vllm_run = None
+                vllm_nb = 0
                 if have_vllm:
                     # same block tables (same seed) and same K/V as our runs
                     vllm_run, vllm_out, vllm_nb = vllm_decode_case(
                         Hq, H, D, batch, ctx, torch.Generator().manual_seed(7), q, k, v)
-                    vllm_ms = timeit(vllm_run)
-                ours_bf16 = None
-                for name in formats:
-                    _, lay, run, out = decode_case(name, H, D, batch, ctx,
-                                                     torch.Generator().manual_seed(7), q, k, v)
-                    ms = None
-                    for _ in range(max(1, args.rounds)):
-                        ms = min_times(ms, timeit(run))
-                        if vllm_run is not None:
-                            vllm_ms = min_times(vllm_ms, timeit(vllm_run))
-                    if name == "bf16":
-                        ours_bf16 = ms
-                        if vllm_out is not None:  # same data: the two bf16 kernels agree
-                            diff = (out.float() - vllm_out.float()).abs().max().item()
-                            assert diff < 2e-2, f"our bf16 vs vLLM bf16 differ by {diff}"
-                    rows.append((name, ms, batch * H * ctx * lay.token_bytes))
-                    del run, out
-                if vllm_run is not None:
-                    rows.insert(0, ("vLLM bf16", vllm_ms, vllm_nb))
-                    del vllm_run
+                timed = interleaved_rows if args.interleave else sequential_rows
+                rows, ours_bf16, vllm_ms = timed(
+                    formats, vllm_run, vllm_out, vllm_nb,
+                    args.rounds or (8 if args.interleave else 2), H, D, batch, ctx, q, k, v)
+                del vllm_run
                 for name, (ms, cms), nb in rows:
                     r1 = f"{ours_bf16[0] / ms:10.2f}" if ours_bf16 else f"{'-':>10}"
                     r2 = f"{vllm_ms[0] / ms:11.2f}" if vllm_ms else f"{'-':>11}"

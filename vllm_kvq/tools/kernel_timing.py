@@ -69,7 +69,8 @@ def repeat_pages(cache, nbase: int) -> None:
 def staging_inputs(fmt, batch, ctx, H, D, gen=None) -> dict:
     """The attend() staging arguments of `batch` sequences decoding at position ctx-1: with
     a residual window (R > 1) positions >= floor(ctx/R)*R come from random staging rows;
-    none without one."""
+    none without one. A rotated format's rows count as rotated already, as the backend
+    keeps its window (LayerOps.rotate_rows: each token rotated once, when it arrives)."""
     R = fmt.residual_chunk
     if R == 1:
         return {}
@@ -79,7 +80,8 @@ def staging_inputs(fmt, batch, ctx, H, D, gen=None) -> dict:
     return dict(staging_k=torch.randn(rows, H, D, generator=gen).to(torch.bfloat16),
                 staging_v=torch.randn(rows, H, D, generator=gen).to(torch.bfloat16),
                 staging_start_loc=torch.arange(batch + 1, dtype=torch.int32) * n_st,
-                staging_pos0=torch.full((batch,), p0, dtype=torch.int32))
+                staging_pos0=torch.full((batch,), p0, dtype=torch.int32),
+                **({"staging_rotated": True} if fmt.rotation != "none" else {}))
 
 
 def decode_case(name: str, H, D, batch, ctx, gen, q, k, v):
