@@ -81,7 +81,7 @@ def staging_inputs(fmt, batch, ctx, H, D, gen=None) -> dict:
                 staging_v=torch.randn(rows, H, D, generator=gen).to(torch.bfloat16),
                 staging_start_loc=torch.arange(batch + 1, dtype=torch.int32) * n_st,
                 staging_pos0=torch.full((batch,), p0, dtype=torch.int32),
-                **({"staging_rotated": True} if fmt.rotation != "none" else {}))
+                staging_rotated=fmt.rotation != "none")
 
 
 def decode_case(name: str, H, D, batch, ctx, gen, q, k, v):
