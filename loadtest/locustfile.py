@@ -10,7 +10,8 @@ requests. Every user pauses 0 s between requests unless --kvq-think-time says ot
 
 Prompts: --kvq-prompt-min..--kvq-prompt-max tokens (uniform, seeded per user) from a random
 window of a random speech; completions send the token ids themselves (exact length), chat
-sends the decoded text. Each user cycles through the --kvq-mix kinds. Outputs: --kvq-max-tokens (with --kvq-ignore-eos, exactly that
+sends the decoded text. Requests cycle through the --kvq-mix kinds in order across all users
+(the n-th request of the run is kind n mod the mix's length). Outputs: --kvq-max-tokens (with --kvq-ignore-eos, exactly that
 many). Streaming requests also record time to first token ("ttft") and time per output
 token after the first ("tpot") as entries of request type METRIC; --kvq-samples PATH writes
 every request as a JSON line (what loadtest/capacity.py reads).
@@ -161,11 +162,6 @@ class KVQUser(HttpUser):
             raise SystemExit(f"kvq locustfile: unknown --kvq-mix kinds {sorted(unknown)}; "
                              f"allowed: {', '.join(KINDS)}")
         self.rng = random.Random(opts.kvq_seed * 100003 + id(self) % 100003)
-        # each user cycles through the kinds from a random start: every kind is exercised
-        # as soon as there are as many requests as kinds
-        start = self.rng.randrange(len(self.kinds))
-        self.kinds = self.kinds[start:] + self.kinds[:start]
-        self.n = 0
         if opts.kvq_api_key:
             self.client.headers["Authorization"] = f"Bearer {opts.kvq_api_key}"
 
@@ -174,9 +170,10 @@ class KVQUser(HttpUser):
         if STATE["count"] >= self.opts.kvq_max_requests:
             _stop(self.environment, "--kvq-max-requests")
             return
+        # one round robin over the whole run, not per user: any len(kinds) consecutive
+        # requests cover every kind, however the users' request counts fall
+        kind = self.kinds[STATE["count"] % len(self.kinds)]
         STATE["count"] += 1
-        kind = self.kinds[self.n % len(self.kinds)]
-        self.n += 1
         ids = STATE["prompts"].draw(self.rng, self.opts.kvq_prompt_min, self.opts.kvq_prompt_max)
         body = {"model": STATE["model"], "max_tokens": self.opts.kvq_max_tokens,
                 "temperature": 0.0, "ignore_eos": self.opts.kvq_ignore_eos}
