@@ -66,7 +66,8 @@ TORCH_LIBRARY(vllm_kvq, ops) {
       "Tensor staging_start_loc, Tensor staging_pos0, int residual_chunk, "
       "int sliding_window, float softmax_scale, float logits_soft_cap, int[] k_codec, "
       "int[] v_codec, Tensor k_scale, "
-      "Tensor v_scale, Tensor k_levels, Tensor v_levels) -> ()");
+      "Tensor v_scale, Tensor k_levels, Tensor v_levels, int rotation=0, "
+      "Tensor? rotation_sc=None) -> ()");
   ops.def(
       "dequantize_pages(Tensor cache, Tensor block_row, int num_tokens, int[] k_codec, "
       "int[] v_codec, Tensor k_scale, Tensor v_scale, Tensor k_levels, Tensor v_levels, "
@@ -91,9 +92,10 @@ TORCH_LIBRARY_IMPL(vllm_kvq, CPU, ops) {
               const at::Tensor& sk, const at::Tensor& sv, const at::Tensor& ssl,
               const at::Tensor& sp0, int64_t r, int64_t w, double scale, double cap,
               c10::IntArrayRef kc, c10::IntArrayRef vc, const at::Tensor& ks,
-              const at::Tensor& vs, const at::Tensor& kl, const at::Tensor& vl) {
+              const at::Tensor& vs, const at::Tensor& kl, const at::Tensor& vl, int64_t rot,
+              const std::optional<at::Tensor>& rot_sc) {
              kvq_cpu::paged_attention(out, q, cache, bt, sl, qsl, sk, sv, ssl, sp0, r, w, scale,
-                                      cap, kc.vec(), vc.vec(), ks, vs, kl, vl);
+                                      cap, kc.vec(), vc.vec(), ks, vs, kl, vl, rot, rot_sc);
            });
   ops.impl("dequantize_pages",
            [](const at::Tensor& cache, const at::Tensor& br, int64_t n, c10::IntArrayRef kc,

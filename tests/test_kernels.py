@@ -500,7 +500,7 @@ def with_byte_values(c):
 
 def run_refs(c):
     """The references a kernel row may match: exact, and with the int8 query for int keys
-    (of a format rotating keys: the rotated query is what the kernel rounds); for nuq 4-bit values
+    (of a format rotating keys: the query rotated in fp32 is what the kernel rounds); for nuq 4-bit values
     each also with the values' byte levels (byte_values)."""
     if byte_values(c["fmt"]) and "bytes" not in c:
         return _as_list(run_refs(dict(c, bytes=False))) + _as_list(
@@ -510,8 +510,10 @@ def run_refs(c):
         return ref
     if c["fmt"].rotation == "none":
         return [ref, run_ref_int8q(c)]
-    q, sk, sv = rotation.for_attention(c["query"], c.get("staging_k"), c.get("staging_v"),
-                                       rotation.rotates_keys(c["fmt"].rotation))
+    keys = rotation.rotates_keys(c["fmt"].rotation)
+    _, sk, sv = rotation.for_attention(c["query"], c.get("staging_k"), c.get("staging_v"), keys)
+    # the CPU kernel rotates the query row in fp32 as it loads it (not rounded to its dtype)
+    q = rotation.rotate(c["query"], torch.float32) if keys else c["query"]
     plain = dict(c, fmt=c["fmt"].with_rotation("none"), query=q, staging_k=sk, staging_v=sv)
     return [ref, rotation.unrotate(run_ref_int8q(plain))]
 

@@ -14,10 +14,12 @@ and nothing else (the C++ TORCH_CHECKs stay the guard of every call).
 nuq codecs need their layer's codebooks: k_levels / v_levels, float32 [2^bits] ascending in
 [-1, 1] (vllm_kvq.codebook_file.Calibration.levels); other codecs take none.
 
-Rotated formats (fmt.rotation = "hadamard", vllm_kvq.rotation) are rotated here, around
-the kernels: writes quantize K R and V R (rotated in float32), attention rotates the query
-and the staging rows and rotates the output back ("hadamard_values": V R only, the value
-staging rows, the output back). The kernels themselves never see it. With a residual
+Rotated formats (fmt.rotation = "hadamard", vllm_kvq.rotation): writes quantize K R and
+V R (rotated in float32 here), attention reads the query rotated and rotates the output
+back ("hadamard_values": V R only, the value staging rows, the output back). On the CPU the
+paged kernel does both itself, in fp32 as it loads each query row and before it rounds each
+output row (`fused_rotation`); on CUDA, and for the flash-prefill split, they are rotated
+here around the kernels (the query rounded to its dtype once rotated). With a residual
 window the serving path rotates each step's new rows once instead (LayerOps.rotate_rows)
 and keeps the window rotated, so its staging rows and the chunks quantized from them are
 not rotated again (in the model's dtype: bf16 rows are rounded once after rotating). On
@@ -305,24 +307,32 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
         if out.stride(-1) != 1:
             _fail("out last dim must be contiguous")
     rotated = fmt.rotation != "none"
+    keys = rotation.rotates_keys(fmt.rotation)
+    fused = rotated and dev.type == "cpu"  # the CPU kernel rotates the query and the output
     dst = out
     if rotated:
-        keys = rotation.rotates_keys(fmt.rotation)
-        if R > 1:
-            query, staging_k, staging_v = rotation.for_attention(query, staging_k, staging_v,
-                                                                 keys, rot=rotate)
-        else:
-            query = rotate(query) if keys else query
-        dst = torch.zeros_like(query)
+        if R > 1:  # the kernel reads staging rows as given (rotation.for_attention's)
+            staging_k, staging_v = (rotate(staging_k) if keys else staging_k), rotate(staging_v)
+        if not fused:
+            query, dst = (rotate(query) if keys else query), torch.zeros_like(query)
     _ops().paged_attention(dst, query, cache, block_table, seq_lens, query_start_loc,
                            staging_k, staging_v, staging_start_loc, staging_pos0, R,
                            sliding_window_for(fmt, sliding_window), softmax_scale,
                            soft_cap_for(logits_soft_cap), fmt.key.as_ints(),
-                           fmt.value.as_ints(), ks, vs, kl, vl)
-    if rotated:
+                           fmt.value.as_ints(), ks, vs, kl, vl, *fused_rotation(fmt, D, fused))
+    if rotated and not fused:
         n = int(query_start_loc[-1])  # only the rows the kernel wrote
         rotate(dst[:n], inverse=True, out=out[:n])
     return out
+
+
+def fused_rotation(fmt: KVFormat, D: int, fused: bool = True) -> tuple:
+    """The paged_attention op's trailing (rotation, rotation_sc) arguments: the CPU kernel
+    rotates each query row as it loads it (a format rotating keys) and each output row back
+    before rounding it (csrc/cpu/cpu_ops.h); () when the format is not rotated or not fused."""
+    if fmt.rotation == "none" or not fused:
+        return ()
+    return (2 if rotation.rotates_keys(fmt.rotation) else 1), rotation.signed_scale(D)
 
 
 def sliding_window_for(fmt: KVFormat, sliding_window: int | None) -> int:
@@ -389,6 +399,9 @@ class LayerOps:
         # and the output rotated back around the kernels (vllm_kvq.rotation)
         self.rotated = fmt.rotation != "none"
         self.rotate_keys = rotation.rotates_keys(fmt.rotation)
+        # on the CPU the paged kernel itself rotates the query and the output (one op call
+        # per layer, as for other formats): attend's steps without a flash-prefill split
+        self._fused_rot = fused_rotation(fmt, head_dim, torch.device(device).type == "cpu")
 
     def rotate_rows(self, key: torch.Tensor, value: torch.Tensor):
         """A rotated format's new key/value rows [N, H, D] as it stores them, in their dtype
@@ -431,39 +444,54 @@ class LayerOps:
             return self._attend(query, cache, block_table, seq_lens, query_start_loc,
                                 softmax_scale, out, staging_k, staging_v, staging_start_loc,
                                 staging_pos0, split)
-        if staging_rotated or staging_k is None:
-            query = rotate(query) if self.rotate_keys else query
-        else:
-            query, staging_k, staging_v = rotation.for_attention(
-                query, staging_k, staging_v, self.rotate_keys, rot=rotate)
+        if staging_k is not None and not staging_rotated:
+            staging_k = rotate(staging_k) if self.rotate_keys else staging_k
+            staging_v = rotate(staging_v)
+        if self._fused_rot:
+            return self._attend(query, cache, block_table, seq_lens, query_start_loc,
+                                softmax_scale, out, staging_k, staging_v, staging_start_loc,
+                                staging_pos0, split, self._fused_rot)
+        query = rotate(query) if self.rotate_keys else query
         o = self._attend(query, cache, block_table, seq_lens, query_start_loc, softmax_scale,
                          torch.empty_like(query), staging_k, staging_v, staging_start_loc,
                          staging_pos0, split)
         return rotate(o, inverse=True, out=out)
 
     def _attend(self, query, cache, block_table, seq_lens, query_start_loc, softmax_scale,
-                out, staging_k, staging_v, staging_start_loc, staging_pos0, split):
+                out, staging_k, staging_v, staging_start_loc, staging_pos0, split,
+                fused_rot: tuple = ()):
+        """fused_rot (a rotated format on the CPU, `fused_rotation`): the paged kernel
+        rotates its query and output rows itself; the flash path's prefill rows are rotated
+        around it here."""
         # sliding-window and soft-capped layers: the paged kernel for prefills too (it masks
         # per row and caps the logits; torch's flash attention does neither)
         if (split is None or query.device.type != "cpu" or self.sliding_window
                 or self.logits_soft_cap):
             return self._kernel(query, cache, block_table, seq_lens, query_start_loc,
                                 softmax_scale, out, staging_k, staging_v, staging_start_loc,
-                                staging_pos0)
+                                staging_pos0, fused_rot)
         nd, ndt = split.num_decodes, split.num_decode_tokens
         if nd:
             st = () if staging_k is None else (staging_k, staging_v,
                                                staging_start_loc[:nd + 1], staging_pos0[:nd])
             self._kernel(query[:ndt], cache, block_table[:nd], seq_lens[:nd],
-                         query_start_loc[:nd + 1], softmax_scale, out[:ndt], *st)
+                         query_start_loc[:nd + 1], softmax_scale, out[:ndt], *st,
+                         fused_rot=fused_rot)
         from vllm_kvq.prefill import attend_prefills
-        attend_prefills(self, query, cache, block_table, softmax_scale, out, staging_k,
-                        staging_v, split)
+        if not fused_rot:
+            attend_prefills(self, query, cache, block_table, softmax_scale, out, staging_k,
+                            staging_v, split)
+            return out
+        o = torch.empty_like(query)
+        attend_prefills(self, rotate(query) if self.rotate_keys else query, cache, block_table,
+                        softmax_scale, o, staging_k, staging_v, split)
+        q1 = split.prefills[-1].q1 if split.prefills else ndt  # the rows it wrote
+        rotate(o[ndt:q1], inverse=True, out=out[ndt:q1])
         return out
 
     def _kernel(self, query, cache, block_table, seq_lens, query_start_loc, softmax_scale,
                 out, staging_k=None, staging_v=None, staging_start_loc=None,
-                staging_pos0=None) -> torch.Tensor:
+                staging_pos0=None, fused_rot: tuple = ()) -> torch.Tensor:
         if staging_k is None:
             staging_k = self._no_staging.get(query.dtype)
             if staging_k is None:
@@ -474,5 +502,5 @@ class LayerOps:
                               staging_k, staging_v, staging_start_loc, staging_pos0,
                               self.residual_chunk, self.sliding_window, softmax_scale,
                               self.logits_soft_cap, self.k_codec, self.v_codec, self.k_scale,
-                              self.v_scale, self.k_levels, self.v_levels)
+                              self.v_scale, self.k_levels, self.v_levels, *fused_rot)
         return out

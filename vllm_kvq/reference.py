@@ -14,8 +14,8 @@ nuq codecs take a codebook `levels` (float32 [2^bits], ascending in [-1, 1]; one
 and side); outlier slots follow kvq::select_outliers (csrc/kvq_numeric.h).
 
 Rotated formats (vllm_kvq.rotation): write_cache stores K R and V R; paged_attention rotates
-the query and the staging rows (in their dtype, as vllm_kvq.ops does) and returns the
-output rotated back.
+the staging rows (in their dtype, as vllm_kvq.ops does) and the query (in fp32, as the CPU
+kernel does) and returns the output rotated back in fp32, rounded once.
 
 Attention sink (_sink formats, codec.sink = 1): a block's first token is also stored as an
 int8 row with a float32 scale (vllm_kvq.residual.quantize_window_rows) in each region's
@@ -496,9 +496,10 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
     T, Hq, D = query.shape
     rot = fmt.rotation != "none"
     dtype = query.dtype
-    if rot:
-        query, staging_k, staging_v = rotation.for_attention(
-            query, staging_k, staging_v, rotation.rotates_keys(fmt.rotation))
+    if rot:  # the query in fp32 (the CPU kernel rotates it as it loads it, not rounded)
+        keys = rotation.rotates_keys(fmt.rotation)
+        _, staging_k, staging_v = rotation.for_attention(query, staging_k, staging_v, keys)
+        query = rotation.rotate(query, torch.float32) if keys else query
     H = cache.shape[1]
     B = layout.block_size
     R = fmt.residual_chunk
@@ -537,6 +538,6 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
                 if logits_soft_cap:
                     logits = logits_soft_cap * torch.tanh(logits / logits_soft_cap)
                 out[q0 + i, hq] = torch.softmax(logits, 0) @ Vp[h, lo:]
-    if rot:  # the kernels' output is rounded to the query dtype, then rotated back
-        return rotation.unrotate(out.to(dtype))
+    if rot:  # rotated back in fp32 and rounded once (as the CPU kernel does)
+        return rotation.unrotate(out, dtype)
     return out.to(dtype)

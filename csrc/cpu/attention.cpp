@@ -157,7 +157,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      int64_t sliding_window, double softmax_scale, double logits_soft_cap,
                      const std::vector<int64_t>& k_codec, const std::vector<int64_t>& v_codec,
                      const at::Tensor& k_scale, const at::Tensor& v_scale,
-                     const at::Tensor& k_levels, const at::Tensor& v_levels) {
+                     const at::Tensor& k_levels, const at::Tensor& v_levels,
+                     int64_t rotation, const std::optional<at::Tensor>& rotation_sc) {
   const kvq::Codec kc = to_codec(k_codec, "k_codec"), vc = to_codec(v_codec, "v_codec");
   TORCH_CHECK(query.dim() == 3, "query must be [T, Hq, D]");
   TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
@@ -189,6 +190,17 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   TORCH_CHECK(W == 0 || R <= W, "residual_chunk ", R, " must not exceed sliding_window ", W);
   TORCH_CHECK(logits_soft_cap >= 0 && std::isfinite(logits_soft_cap), "logits_soft_cap ",
               logits_soft_cap, " must be finite and >= 0 (0: none)");
+  TORCH_CHECK(rotation >= 0 && rotation <= 2, "rotation ", rotation, " is not allowed; allowed: "
+              "0 (none), 1 (values: the output rotated back), 2 (keys and values: the query "
+              "rotated too)");
+  TORCH_CHECK(rotation == 0 || ((D & (D - 1)) == 0 && D <= kMaxRotD), "rotation needs head_dim "
+              "a power of two <= ", kMaxRotD, ", got ", D);
+  TORCH_CHECK(rotation == 0 || (rotation_sc.has_value() && rotation_sc->device().is_cpu() &&
+                                rotation_sc->scalar_type() == at::kFloat &&
+                                rotation_sc->dim() == 1 && rotation_sc->size(0) == D &&
+                                rotation_sc->stride(0) == 1),
+              "rotation ", rotation, " needs rotation_sc: a contiguous float32 CPU [", D,
+              "] tensor (vllm_kvq.rotation.signed_scale)");
   const int32_t qdt = dtype_of(query, "query");
 
   const std::vector<int32_t> sl = to_i32(seq_lens, "seq_lens");
@@ -360,6 +372,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   P.k_levels = klev.empty() ? nullptr : klev.data();
   P.v_levels = vlev.empty() ? nullptr : vlev.data();
   P.partials = partials.data();
+  P.rot_q = rotation == 2 ? 1 : 0;
+  P.rot_out = rotation != 0 ? 1 : 0;
+  P.rot_sc = rotation != 0 ? rotation_sc->data_ptr<float>() : nullptr;
 
   const Path path = current_path();
   const TaskFn fn = task_fn(path);
@@ -399,6 +414,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
   // Combine split tasks: out = sum_p 2^(m_p - M) acc_p / sum_p 2^(m_p - M) l_p.
   if (!groups.empty()) {
     const int64_t ng = (int64_t)groups.size();
+    const HadamardFn unrotate = current_hadamard_rows();
 #pragma omp parallel for schedule(dynamic, 1) num_threads(std::min<int64_t>(nthreads, ng))
     for (int64_t gi = 0; gi < ng; ++gi) {
       const Group& g = groups[gi];
@@ -423,7 +439,19 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
         const float inv = l != 0.0f ? 1.0f / l : 0.0f;
         const int i = m / gq, hq = t0.h * gq + m % gq;
         const int64_t o = (int64_t)(t0.tok0 + i) * P.o_st + (int64_t)hq * P.o_sh;
-        if (qdt == DT_F32) {
+        if (P.rot_out) {  // the row rotated back (the path's hadamard pass) and rounded once
+          for (int d = 0; d < D; ++d) accum[d] *= inv;
+          HadamardArgs a{};
+          a.in = accum.data();
+          a.in_dtype = DT_F32;
+          a.out = (uint8_t*)P.out + o * (qdt == DT_F32 ? 4 : 2);  // this one row
+          a.out_dtype = qdt;
+          a.rows_inner = 1;
+          a.D = D;
+          a.inverse = 1;
+          a.sc = P.rot_sc;
+          unrotate(a, 0, 1);
+        } else if (qdt == DT_F32) {
           float* dst = (float*)P.out + o;
           for (int d = 0; d < D; ++d) dst[d] = accum[d] * inv;
         } else if (qdt == DT_F16) {

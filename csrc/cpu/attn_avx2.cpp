@@ -550,7 +550,6 @@ static inline VF vbfly(VF x, int h) {
 // within 1%): its decode, not its FMAs, bounds that loop.
 #define KVQ_FOLD_QK 1
 #include "attn_body.h"
-#include "hadamard_body.h"
 
 const TaskFn run_task = &run_task_impl;
 const DecodeRowsFn decode_rows = &decode_rows_impl;

@@ -694,7 +694,6 @@ static inline VF vbfly(VF x, int h) {
 #define KVQ_FOLD_QK 0  // (attn_avx2.cpp)
 #define KVQ_HAS_PDEP 0  // cvt3to4_row only
 #include "attn_body.h"
-#include "hadamard_body.h"
 
 const TaskFn run_task = &run_task_impl;
 const DecodeRowsFn decode_rows = &decode_rows_impl;

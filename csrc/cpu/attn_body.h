@@ -1716,6 +1716,10 @@ static inline void store_row_f(void* base, int32_t dt, int64_t elem_off, int D, 
   }
 }
 
+// The rotation of rotated formats: fwht_row / scale_row, used by run_task's fused rotation
+// and by the hadamard op (hadamard_rows_impl).
+#include "hadamard_body.h"
+
 // ---- logits: S[m][t] = Q[m] . K[t] ------------------------------------------------------
 template <int MB>
 static inline void qk_block(const float* Q, const float* K, int nt, int D, float* S) {
@@ -1988,7 +1992,7 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   bool iqk = fused && T.decode && P.int_qk && int_qk_ok(P.kc, D, P.qk3);
   // bf16 keys and a bf16 query: the decode Q.K by vdpbf16ps on the raw query (qk_bf16);
   // decodes only, like the int8 query, so a prefill chunk computes what a whole prefill does
-  const bool qbf = KVQ_HAS_BF16DP && fused && T.decode && P.bf16dp &&
+  const bool qbf = KVQ_HAS_BF16DP && fused && T.decode && P.bf16dp && !P.rot_q &&
                    P.kc.encoding == kvq::ENC_BF16 &&
                    P.dtype == DT_BF16 && D % (2 * W) == 0;
 
@@ -2029,8 +2033,17 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
     Fq[i] = (p + 1) / R * R;
     for (int g = 0; g < gq; ++g) {
       const int m = i * gq + g, hq = T.h * gq + g;
-      load_row_f(P.q, P.dtype, (int64_t)(T.tok0 + i) * P.q_st + (int64_t)hq * P.q_sh, D,
-                 P.scale_log2, Q + (int64_t)m * D);
+      float* q = Q + (int64_t)m * D;
+      const int64_t qo = (int64_t)(T.tok0 + i) * P.q_st + (int64_t)hq * P.q_sh;
+      if (!P.rot_q) {
+        load_row_f(P.q, P.dtype, qo, D, P.scale_log2, q);
+      } else {  // rotation.rotate's fp32 transform (the row not rounded), then the scale
+        load_row_f(P.q, P.dtype, qo, D, 1.0f, q);
+        scale_row(q, P.rot_sc, D);
+        fwht_row(q, D);
+        const VF sl = vset(P.scale_log2);
+        for (int d = 0; d < D; d += W) vstore(q + d, vmul(vload(q + d), sl));
+      }
     }
   }
   // Rows the kernels read: a fused decode runs MBq / MBp rows (M of them real), the other
@@ -2477,9 +2490,15 @@ static void run_task_impl(const AttnParams& P, const AttnTask& T, float* scratch
   for (int m = 0; m < M; ++m) {
     const int i = m / gq, hq = T.h * gq + m % gq;
     const float inv = lrow[m] != 0.0f ? 1.0f / lrow[m] : 0.0f;  // NaN stays NaN
-    const float* a = acc + (int64_t)m * D;
+    float* a = acc + (int64_t)m * D;
     const int64_t o = (int64_t)(T.tok0 + i) * P.o_st + (int64_t)hq * P.o_sh;
-    if (P.dtype == DT_F32) {
+    if (P.rot_out) {  // rotation.unrotate's transform on the fp32 row, then one rounding
+      const VF vi = vset(inv);
+      for (int d = 0; d < D; d += W) vstore(a + d, vmul(vload(a + d), vi));
+      fwht_row(a, D);
+      scale_row(a, P.rot_sc, D);
+      store_row_f(P.out, P.dtype, o, D, a);
+    } else if (P.dtype == DT_F32) {
       float* dst = (float*)P.out + o;
       const VF vi = vset(inv);
       for (int d = 0; d < D; d += W) vstore(dst + d, vmul(vload(a + d), vi));

@@ -49,6 +49,12 @@ struct AttnParams {
   const float* k_levels;    // [2^bits] nuq codebook of the K / V codec (nullptr if not nuq)
   const float* v_levels;
   float* partials;          // split tasks' partial results (AttnTask::part offsets)
+  // A rotated format's rotation fused into the kernel (vllm_kvq.rotation, hadamard_body.h):
+  // rot_q rotates each query row as it is loaded (keys stored rotated), rot_out rotates each
+  // output row back before its one rounding (values stored rotated); rot_sc: the signed
+  // scale [D] (signs / sqrt(D)). Staging rows are read as given (already rotated).
+  const float* rot_sc;
+  int32_t rot_q, rot_out;
   int32_t int_qk;           // 1: decode tasks may use the int8-query Q.K for int keys
                             // (attn_body.h "integer Q.K"); 0: exact fp32 Q.K everywhere
   int32_t qk3;              // 1: that Q.K reads 3-bit codes as stored (the path has

@@ -19,6 +19,10 @@ void write_cache(const at::Tensor& key, const at::Tensor& value, at::Tensor& cac
 // staging_start_loc int32 [S+1]; staging_pos0 int32 [S]; k_levels/v_levels as write_cache.
 // sliding_window W > 0: a query at position p sees keys (p - W, p] only (vLLM's convention).
 // logits_soft_cap c > 0: each logit x (softmax_scale * q.k) becomes c * tanh(x / c) (Gemma 2).
+// rotation (a rotated format, vllm_kvq.rotation), fused into the kernel: 0 none; 1 values
+// stored rotated: each output row is rotated back before its rounding; 2 keys too: each
+// query row is rotated as loaded. rotation_sc: signed_scale(D). Staging rows are read as
+// given (the caller passes them rotated).
 void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor& cache,
                      const at::Tensor& block_table, const at::Tensor& seq_lens,
                      const at::Tensor& query_start_loc, const at::Tensor& staging_k,
@@ -27,7 +31,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& query, const at::Tensor&
                      int64_t sliding_window, double softmax_scale, double logits_soft_cap,
                      const std::vector<int64_t>& k_codec, const std::vector<int64_t>& v_codec,
                      const at::Tensor& k_scale, const at::Tensor& v_scale,
-                     const at::Tensor& k_levels, const at::Tensor& v_levels);
+                     const at::Tensor& k_levels, const at::Tensor& v_levels,
+                     int64_t rotation, const std::optional<at::Tensor>& rotation_sc);
 
 // One sequence's K and V, positions [0, num_tokens), from the pages of block_row (int32
 // [>= ceil(num_tokens / block_size)]) into out_k / out_v [H, >= num_tokens, D] (float32,

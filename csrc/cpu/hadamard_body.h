@@ -8,8 +8,8 @@
 // PyTorch reference round every value the same way (bit-identical results). Stages h < W
 // pair lanes of one register (vbfly, per path), the rest pair whole registers.
 //
-// Included by attn_{avx512,avx2,scalar}.cpp after attn_body.h (VF, W, vbfly, load_row_f,
-// store_row_f, ...).
+// Included by attn_body.h after load_row_f / store_row_f (with VF, W, vbfly, ... of the path):
+// run_task's fused rotation (AttnParams::rot_q / rot_out) uses fwht_row and scale_row.
 
 // x [D] in place, D a power of two in [W, kMaxRotD].
 static inline void fwht_row(float* x, int D) {

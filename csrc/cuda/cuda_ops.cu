@@ -65,8 +65,12 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                      c10::IntArrayRef k_codec,
                      c10::IntArrayRef v_codec,
                      const at::Tensor& k_scale, const at::Tensor& v_scale,
-                     const at::Tensor& k_levels, const at::Tensor& v_levels) {
+                     const at::Tensor& k_levels, const at::Tensor& v_levels,
+                     int64_t rotation, const std::optional<at::Tensor>& rotation_sc) {
   TORCH_CHECK(cache.is_cuda(), "vllm_kvq.paged_attention (CUDA): cache must be a CUDA tensor");
+  // vllm_kvq.ops rotates around the CUDA kernel (one fp32 product each way)
+  TORCH_CHECK(rotation == 0, "vllm_kvq.paged_attention (CUDA): rotation ", rotation,
+              " is not fused on CUDA; allowed: 0 (vllm_kvq.ops rotates around the kernel)");
   const c10::cuda::OptionalCUDAGuard guard(cache.device());
   AttnPlan plan;
   AttnParams p = make_attn_params(out, query, cache, block_table, seq_lens, query_start_loc,

@@ -31,6 +31,7 @@ void paged_attention(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                      c10::IntArrayRef k_codec,
                      c10::IntArrayRef v_codec,
                      const at::Tensor& k_scale, const at::Tensor& v_scale,
-                     const at::Tensor& k_levels, const at::Tensor& v_levels);
+                     const at::Tensor& k_levels, const at::Tensor& v_levels,
+                     int64_t rotation, const std::optional<at::Tensor>& rotation_sc);
 
 }  // namespace kvq_cuda

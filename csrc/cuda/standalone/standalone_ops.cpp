@@ -55,6 +55,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            std::vector<int64_t> vc, const at::Tensor& ks, const at::Tensor& vs, const at::Tensor& kl,
            const at::Tensor& vl) {
           kvq_cuda::paged_attention(out, q, cache, bt, sl, qsl, sk, sv, ssl, sp0, r, w, scale, cap, kc, vc, ks, vs,
-                                    kl, vl);
+                                    kl, vl, 0, std::nullopt);
         });
 }
