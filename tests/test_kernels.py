@@ -964,11 +964,12 @@ def test_attention_nan_token_isolated(name):
         assert_attn_close(out, ref, torch.float32, what=f"{name} {path}")
 
 
-@pytest.mark.parametrize("name", ["int4_group32", "int4_group32_sink"])
+@pytest.mark.parametrize("name", ["int4_group32", "int4_group32_sink", "int4_group32_rot",
+                                  "int4_group32_rotv"])
 def test_attention_split_long_context(name):
     """Few (sequence, head) tasks and long contexts: the flash-decoding split + log-sum-exp
-    reduction (the attention sink in the first part only); also a decode whose last block
-    is partially filled."""
+    reduction (the attention sink in the first part only; a rotated format's output rows
+    rotated back after it); also a decode whose last block is partially filled."""
     c = build_case(name, 128, 32, gq=4, H=1, dtype=torch.float32,
                    seqs=[(2113, 1), (1500, 2)], seed=21)
     ref = run_refs(c)
