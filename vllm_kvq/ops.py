@@ -395,8 +395,8 @@ class LayerOps:
         self._ops = _ops()
         # the op's one overload, bound once (the packet's __call__ is a Python frame per call)
         self._paged_attention = self._ops.paged_attention.default
-        # rotated formats: K/V rotated before quantizing, the query and staging rows rotated
-        # and the output rotated back around the kernels (vllm_kvq.rotation)
+        # rotated formats: K/V rotated before quantizing, the query and staging rows read
+        # rotated and the output rotated back (vllm_kvq.rotation)
         self.rotated = fmt.rotation != "none"
         self.rotate_keys = rotation.rotates_keys(fmt.rotation)
         # on the CPU the paged kernel itself rotates the query and the output (one op call

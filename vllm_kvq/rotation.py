@@ -17,11 +17,13 @@ csrc/cpu/hadamard_body.h) follows, so both round every value alike (bit-identica
 A format may rotate its values only ("hadamard_values", name suffix _rotv): then keys,
 query and key staging rows are not rotated, the output still is.
 
-Applied around the kernels by vllm_kvq.ops (write rotates K/V before quantizing; attend
-rotates the query and the full-precision staging rows and un-rotates the output), and the
-same way in vllm_kvq.reference: every attention kernel (CPU paths, CUDA) sees ordinary
-inputs. The serving path keeps a residual window's rows rotated (ops.LayerOps.rotate_rows):
-a step rotates its new tokens once, not the window's rows every step.
+Applied by vllm_kvq.ops: write rotates K/V before quantizing; attention reads the query
+and the full-precision staging rows rotated and un-rotates the output. The CPU attention
+kernel rotates the query rows and un-rotates the output rows itself, in fp32 (the
+paged_attention op's `rotation` argument); CUDA's kernels see ordinary inputs, rotated
+around them. vllm_kvq.reference does what the CPU kernel does. The serving path keeps a
+residual window's rows rotated (ops.LayerOps.rotate_rows): a step rotates its new tokens
+once, not the window's rows every step.
 """
 from __future__ import annotations
 
