@@ -436,18 +436,14 @@ class LayerOps:
         paged kernel, the long prefills after them to the flash path (vllm_kvq.prefill);
         None: the paged kernel for the whole batch. A rotated format writes every row of
         out (the caller passes the step's rows, as the backend does)."""
-        if not self.rotated:
+        if self.rotated and staging_k is not None and not staging_rotated:
+            staging_k = rotate(staging_k) if self.rotate_keys else staging_k
+            staging_v = rotate(staging_v)
+        if self._fused_rot or not self.rotated:  # the kernel rotates (CPU) or nothing to
             if split is None:  # a step of decodes / short chunks: one frame less per layer
                 return self._kernel(query, cache, block_table, seq_lens, query_start_loc,
                                     softmax_scale, out, staging_k, staging_v,
-                                    staging_start_loc, staging_pos0)
-            return self._attend(query, cache, block_table, seq_lens, query_start_loc,
-                                softmax_scale, out, staging_k, staging_v, staging_start_loc,
-                                staging_pos0, split)
-        if staging_k is not None and not staging_rotated:
-            staging_k = rotate(staging_k) if self.rotate_keys else staging_k
-            staging_v = rotate(staging_v)
-        if self._fused_rot:
+                                    staging_start_loc, staging_pos0, self._fused_rot)
             return self._attend(query, cache, block_table, seq_lens, query_start_loc,
                                 softmax_scale, out, staging_k, staging_v, staging_start_loc,
                                 staging_pos0, split, self._fused_rot)
