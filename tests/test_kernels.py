@@ -511,7 +511,7 @@ def run_refs(c):
     if c["fmt"].rotation == "none":
         return [ref, run_ref_int8q(c)]
     keys = rotation.rotates_keys(c["fmt"].rotation)
-    _, sk, sv = rotation.for_attention(c["query"], c.get("staging_k"), c.get("staging_v"), keys)
+    sk, sv = rotation.for_staging(c.get("staging_k"), c.get("staging_v"), keys)
     # the CPU kernel rotates the query row in fp32 as it loads it (not rounded to its dtype)
     q = rotation.rotate(c["query"], torch.float32) if keys else c["query"]
     plain = dict(c, fmt=c["fmt"].with_rotation("none"), query=q, staging_k=sk, staging_v=sv)

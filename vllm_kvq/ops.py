@@ -311,8 +311,8 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
     fused = rotated and dev.type == "cpu"  # the CPU kernel rotates the query and the output
     dst = out
     if rotated:
-        if R > 1:  # the kernel reads staging rows as given (rotation.for_attention's)
-            staging_k, staging_v = (rotate(staging_k) if keys else staging_k), rotate(staging_v)
+        if R > 1:  # the kernel reads staging rows as given
+            staging_k, staging_v = rotation.for_staging(staging_k, staging_v, keys, rot=rotate)
         if not fused:
             query, dst = (rotate(query) if keys else query), torch.zeros_like(query)
     _ops().paged_attention(dst, query, cache, block_table, seq_lens, query_start_loc,
@@ -436,9 +436,9 @@ class LayerOps:
         paged kernel, the long prefills after them to the flash path (vllm_kvq.prefill);
         None: the paged kernel for the whole batch. A rotated format writes every row of
         out (the caller passes the step's rows, as the backend does)."""
-        if self.rotated and staging_k is not None and not staging_rotated:
-            staging_k = rotate(staging_k) if self.rotate_keys else staging_k
-            staging_v = rotate(staging_v)
+        if self.rotated and not staging_rotated:
+            staging_k, staging_v = rotation.for_staging(staging_k, staging_v, self.rotate_keys,
+                                                        rot=rotate)
         if self._fused_rot or not self.rotated:  # the kernel rotates (CPU) or nothing to
             if split is None:  # a step of decodes / short chunks: one frame less per layer
                 return self._kernel(query, cache, block_table, seq_lens, query_start_loc,

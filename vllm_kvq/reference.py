@@ -498,7 +498,7 @@ def paged_attention(query: torch.Tensor, cache: torch.Tensor, block_table: torch
     dtype = query.dtype
     if rot:  # the query in fp32 (the CPU kernel rotates it as it loads it, not rounded)
         keys = rotation.rotates_keys(fmt.rotation)
-        _, staging_k, staging_v = rotation.for_attention(query, staging_k, staging_v, keys)
+        staging_k, staging_v = rotation.for_staging(staging_k, staging_v, keys)
         query = rotation.rotate(query, torch.float32) if keys else query
     H = cache.shape[1]
     B = layout.block_size

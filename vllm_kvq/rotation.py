@@ -111,10 +111,11 @@ def for_cache(key: torch.Tensor, value: torch.Tensor, keys: bool = True, rot=rot
     return (rot(key, torch.float32) if keys else key), rot(value, torch.float32)
 
 
-def for_attention(query: torch.Tensor, staging_k, staging_v, keys: bool = True, rot=rotate):
-    """The query and the full-precision staging rows (None: no staging) rotated in their
-    dtypes, as the kernels of a rotated format read them (a values-only rotation: the
-    value rows only); the output is unrotate()d."""
-    if staging_k is not None:
-        staging_k, staging_v = (rot(staging_k) if keys else staging_k), rot(staging_v)
-    return (rot(query) if keys else query), staging_k, staging_v
+def for_staging(staging_k, staging_v, keys: bool = True, rot=rotate):
+    """The full-precision staging rows (None: no staging) rotated in their dtypes, as the
+    kernels of a rotated format read them (a values-only rotation: the value rows only).
+    The query is rotated by the CPU kernel itself (in fp32; around the kernel on CUDA) and
+    the output unrotate()d."""
+    if staging_k is None:
+        return staging_k, staging_v
+    return (rot(staging_k) if keys else staging_k), rot(staging_v)
